@@ -1,0 +1,120 @@
+"""`jax_kernels.cut_bce`: the public JAX entry point (validation, flattening, weight, reduction)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_kernels.core import CutBCEConfig, cut_bce_rows
+from jax_kernels.reference import reduce_rows
+from jax_kernels.shapes import ArraySpec, check_arguments, default_block_v
+
+IMPL_CHOICES = ("auto", "blocked", "pallas")
+
+
+def _spec(x):
+    if x is None:
+        return None
+    dtype = jnp.dtype(x.dtype)
+    return ArraySpec(tuple(x.shape), dtype.kind, dtype.name)
+
+
+def resolve_impl(impl: str, dtype) -> str:
+    """'auto' -> Pallas on a TPU backend, the blocked pure-JAX loop elsewhere (and for float64)."""
+    if impl not in IMPL_CHOICES:
+        raise ValueError(f"impl must be one of {IMPL_CHOICES}, got {impl!r}")
+    if impl == "pallas" and jnp.dtype(dtype) == jnp.float64:
+        raise TypeError("impl='pallas' does not support float64 inputs (TPUs have no float64); use impl='blocked'")
+    if impl != "auto":
+        return impl
+    if jnp.dtype(dtype) != jnp.float64 and jax.default_backend() == "tpu":
+        return "pallas"
+    return "blocked"
+
+
+def _check_ids_below_vocab(targets, num_items):
+    # Possible only on concrete arrays; under jit ids >= V are masked like padding (documented).
+    if isinstance(targets, jax.core.Tracer):
+        return
+    largest = int(np.max(np.asarray(targets))) if targets.size else -1
+    if largest >= num_items:
+        raise ValueError(f"targets holds item id {largest}, but item_weight has only V={num_items} items (ids must be < V)")
+
+
+def cut_bce(
+    hidden,
+    item_weight,
+    targets,
+    bias=None,
+    *,
+    weight=None,
+    class_weight=None,
+    pos_weight=None,
+    reduction: str = "mean",
+    return_metrics: bool = False,
+    block_v: int | None = None,
+    impl: str = "auto",
+    block_sizes=None,
+):
+    """Binary cross-entropy of `hidden @ item_weight.T + bias` against multi-hot targets, without the logits.
+
+    Computes exactly `jax_kernels.reference.dense_cut_bce` (the formula is stated there) in
+    vocabulary tiles; works under `jax.jit` (all options are static Python values).
+
+    Args:
+      hidden: `[*S, D]` float32 / bfloat16 / float16 / float64.
+      item_weight: `[V, D]`, same dtype as hidden.
+      targets: `[*S, L]` integer positive ids; negative ids are padding, duplicates count once.
+        Ids >= V raise a ValueError on concrete arrays; under `jit` they cannot be checked without
+        a host sync and are ignored like padding.
+      bias: `[V]` or None.
+      weight: `[*S]` per-position weight (e.g. a padding mask), or None. Differentiable.
+      class_weight: `[V]` per-item weight, or None. Treated as a constant (zero gradient).
+      pos_weight: `[V]` weight of the positive term, as in BCEWithLogitsLoss. A constant.
+      reduction: 'mean' (sum over all N x V elements / (N V), as BCEWithLogitsLoss), 'sum', or
+        'none' (shape S: each position's loss summed over items; the `[*S, V]` tensor
+        BCEWithLogitsLoss would return is the one this function exists not to build).
+      return_metrics: also return `(tp, fp, fn, tn)` float32 counts (z > 0 is a positive
+        prediction), times `weight`, summed over positions unless reduction is 'none'.
+      block_v: vocabulary tile of the blocked implementation (default: a 16 MiB float32 tile).
+      impl: 'auto' (Pallas on TPU, blocked elsewhere), 'blocked', or 'pallas' (Mosaic kernels on
+        TPU; the same kernels in interpret mode when lowered for another platform).
+      block_sizes: Pallas tile sizes (`jax_kernels.block_sizes.BlockSizes`), None = derived.
+
+    Returns:
+      The loss (float32, or float64 for float64 inputs), or `(loss, (tp, fp, fn, tn))`.
+    """
+    size = check_arguments(
+        _spec(hidden), _spec(item_weight), _spec(targets), _spec(bias), _spec(weight),
+        _spec(class_weight), _spec(pos_weight), reduction=reduction, block_v=block_v,
+    )
+    _check_ids_below_vocab(targets, size.num_items)
+    config = CutBCEConfig(
+        block_v=block_v or default_block_v(size.num_positions, size.num_items),
+        compute_metrics=return_metrics,
+        impl=resolve_impl(impl, hidden.dtype),
+        block_sizes=block_sizes,
+    )
+    n = size.num_positions
+    rows, counts = cut_bce_rows(
+        config,
+        hidden.reshape(n, size.hidden_size),
+        item_weight,
+        targets.reshape(n, size.num_slots),
+        bias,
+        class_weight,
+        jax.lax.stop_gradient(pos_weight) if pos_weight is not None else None,
+    )
+    if weight is not None:
+        rows = rows * weight.reshape(n).astype(rows.dtype)
+        counts = counts * weight.reshape(1, n).astype(counts.dtype)
+    loss = reduce_rows(rows, reduction, size.num_items).reshape(size.lead_shape if reduction == "none" else ())
+    if not return_metrics:
+        return loss
+    if reduction == "none":
+        metrics = tuple(c.reshape(size.lead_shape) for c in counts)
+    else:
+        metrics = tuple(counts.sum(-1))
+    return loss, metrics
+

@@ -1,0 +1,103 @@
+"""Dense reference for CutBCE in JAX: materializes the `[N, V]` logits (a test oracle only).
+
+The loss, stated once for the whole project (DESIGN.md section 2). For position n and item v:
+
+    z[n, v] = hidden[n] . item_weight[v] + bias[v]
+    y[n, v] = 1 if v in set(targets[n]) else 0           (negative ids are padding)
+    w[n, v] = weight[n] * class_weight[v]
+    l[n, v] = w[n, v] * (pos_weight[v] * y * softplus(-z) + (1 - y) * softplus(z))
+    row[n]  = sum_v l[n, v]
+
+which is `BCEWithLogitsLoss(weight=w, pos_weight=pos_weight, reduction='none')` on the materialized
+logits, summed over items. Reductions: 'none' -> row (shape S), 'sum' -> sum_n row[n],
+'mean' -> sum_n row[n] / (N * V) (the mean over every element, as BCEWithLogitsLoss computes it).
+
+Metrics: predicted positive iff z > 0; per position TP, FP, FN, TN counts times weight[n],
+summed over positions unless reduction is 'none'.
+
+Every other implementation in `jax_kernels` and `torch_cutbce` points here.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def multi_hot(targets: jax.Array, num_items: int, dtype=jnp.float32) -> jax.Array:
+    """Turns padded ids `[N, L]` into a dense set indicator `[N, V]` (duplicates count once)."""
+    valid = (targets >= 0) & (targets < num_items)
+    safe_ids = jnp.where(valid, targets, 0)
+    hits = jax.nn.one_hot(safe_ids, num_items, dtype=jnp.bool_) & valid[..., None]
+    return jnp.any(hits, axis=-2).astype(dtype)
+
+
+def dense_cut_bce(
+    hidden,
+    item_weight,
+    targets,
+    bias=None,
+    *,
+    weight=None,
+    class_weight=None,
+    pos_weight=None,
+    reduction: str = "mean",
+    return_metrics: bool = False,
+    compute_dtype=None,
+):
+    """The materializing reference of the module docstring's formula.
+
+    Args:
+      hidden: `[*S, D]`. item_weight: `[V, D]`. targets: `[*S, L]` integer ids, negative = padding.
+      bias: `[V]` or None. weight: `[*S]` or None. class_weight, pos_weight: `[V]` or None.
+      reduction: 'none' | 'sum' | 'mean'.
+      return_metrics: also return `(tp, fp, fn, tn)`.
+      compute_dtype: dtype of the logits and the loss (default: float32, or float64 for float64
+        inputs). bfloat16 here reproduces "the dense reference run in the same dtype".
+
+    Returns:
+      The loss (shape S for 'none', else a scalar), and with `return_metrics` a tuple of counts.
+    """
+    lead_shape = hidden.shape[:-1]
+    num_items = item_weight.shape[0]
+    if compute_dtype is None:
+        compute_dtype = jnp.float64 if hidden.dtype == jnp.float64 else jnp.float32
+    h = hidden.reshape(-1, hidden.shape[-1]).astype(compute_dtype)
+    z = h @ item_weight.astype(compute_dtype).T
+    if bias is not None:
+        z = z + bias.astype(compute_dtype)
+    y = multi_hot(targets.reshape(h.shape[0], -1), num_items, compute_dtype)
+    w = jnp.ones_like(z)
+    if weight is not None:
+        w = w * weight.reshape(-1, 1).astype(compute_dtype)
+    if class_weight is not None:
+        w = w * class_weight.astype(compute_dtype)
+    pw = 1.0 if pos_weight is None else pos_weight.astype(compute_dtype)
+    elementwise = w * (pw * y * jax.nn.softplus(-z) + (1 - y) * jax.nn.softplus(z))
+    rows = elementwise.sum(-1)
+    loss = reduce_rows(rows, reduction, num_items).reshape(lead_shape if reduction == "none" else ())
+    if not return_metrics:
+        return loss
+    predicted = z > 0
+    truth = y > 0
+    position_weight = jnp.ones(h.shape[0], compute_dtype) if weight is None else weight.reshape(-1)
+    counts = [
+        (predicted & truth).sum(-1),
+        (predicted & ~truth).sum(-1),
+        (~predicted & truth).sum(-1),
+        (~predicted & ~truth).sum(-1),
+    ]
+    counts = [c.astype(jnp.float32) * position_weight.astype(jnp.float32) for c in counts]
+    if reduction == "none":
+        counts = [c.reshape(lead_shape) for c in counts]
+    else:
+        counts = [c.sum() for c in counts]
+    return loss, tuple(counts)
+
+
+def reduce_rows(rows, reduction, num_items):
+    if reduction == "none":
+        return rows
+    if reduction == "sum":
+        return rows.sum()
+    return rows.sum() / (rows.shape[0] * num_items)

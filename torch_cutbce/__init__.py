@@ -1,0 +1,19 @@
+"""torch-cutbce: exact full-catalog binary cross-entropy without materializing `[N, V]` logits."""
+
+from torch_cutbce.functional import BACKENDS, cut_bce_with_logits
+from torch_cutbce.metrics import CutBCEMetrics
+from torch_cutbce.module import CutBCEWithLogitsLoss
+from torch_cutbce.reference import dense_bce_with_logits
+from torch_cutbce.targets import ids_to_multi_hot, multi_hot_to_ids
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BACKENDS",
+    "CutBCEMetrics",
+    "CutBCEWithLogitsLoss",
+    "cut_bce_with_logits",
+    "dense_bce_with_logits",
+    "ids_to_multi_hot",
+    "multi_hot_to_ids",
+]

@@ -1,0 +1,152 @@
+"""`cut_bce_with_logits`: validation, dispatch to a backend, position weight, reduction, metrics."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from jax_kernels.shapes import ArraySpec, check_arguments, default_block_v
+from torch_cutbce.metrics import CutBCEMetrics
+from torch_cutbce.native import NativeCutBCERows
+from torch_cutbce.reference import dense_bce_with_logits
+
+BACKENDS = ("auto", "native", "dense", "xla", "xla_blocked", "xla_pallas")
+
+
+def _spec(x: torch.Tensor | None) -> ArraySpec | None:
+    if x is None:
+        return None
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
+    kind = "f" if x.is_floating_point() else ("b" if x.dtype == torch.bool else "i")
+    return ArraySpec(tuple(x.shape), kind, str(x.dtype).removeprefix("torch."))
+
+
+def _resolve_backend(backend: str, hidden: torch.Tensor) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "xla" if hidden.device.type == "xla" else "native"
+    return backend
+
+
+def _check_devices(tensors: dict[str, torch.Tensor | None], backend: str) -> None:
+    device = tensors["hidden"].device
+    for name, t in tensors.items():
+        if t is not None and t.device != device:
+            raise ValueError(
+                f"{name} is on {t.device} but hidden is on {device}: all tensors must be on one device "
+                f"(move them with .to(hidden.device))"
+            )
+    on_xla = device.type == "xla"
+    if backend.startswith("xla") and not on_xla:
+        raise ValueError(f"backend={backend!r} needs tensors on an XLA device (torch_xla), got {device}")
+    if backend == "native" and on_xla:
+        raise ValueError("backend='native' runs on CPU/CUDA tensors; XLA tensors use backend='auto' or 'xla'")
+
+
+def _check_constant(name: str, t: torch.Tensor | None) -> None:
+    if t is not None and t.requires_grad:
+        raise ValueError(
+            f"{name} requires grad, but CutBCE treats {name} as a constant (no gradient is computed); "
+            f"pass {name}.detach()"
+        )
+
+
+def _check_ids_below_vocab(targets: torch.Tensor, num_items: int) -> None:
+    """ids >= V: raise on CPU; a non-blocking device assert on CUDA; on XLA they are ignored like padding."""
+    if targets.numel() == 0:
+        return
+    if targets.device.type == "cpu":
+        largest = int(targets.max())
+        if largest >= num_items:
+            raise ValueError(f"targets holds item id {largest}, but item_weight has only V={num_items} items (ids must be < V)")
+    elif targets.device.type == "cuda":
+        torch._assert_async(targets.max() < num_items, "targets holds an item id >= V")
+
+
+def cut_bce_with_logits(
+    hidden: torch.Tensor,
+    item_weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    weight: torch.Tensor | None = None,
+    class_weight: torch.Tensor | None = None,
+    pos_weight: torch.Tensor | None = None,
+    reduction: str = "mean",
+    return_metrics: bool = False,
+    block_v: int | None = None,
+    backend: str = "auto",
+):
+    """`BCEWithLogitsLoss(hidden @ item_weight.T + bias, multi_hot(targets))` without building the logits.
+
+    The loss and its gradients are exact (formula: `jax_kernels/reference.py`, DESIGN.md section 2);
+    extra memory is O(N x block_v), not O(N x V).
+
+    Args:
+      hidden: `[*S, D]` float (N = prod(S) positions).
+      item_weight: `[V, D]`, same dtype and device as hidden (often the tied item embedding).
+      targets: `[*S, L]` integer positive ids, padded with negative ids; duplicates count once.
+        Ids >= V raise on CPU and trigger a device assert on CUDA; on XLA devices they cannot be
+        checked without a host sync and are ignored like padding.
+      bias: `[V]` or None.
+      weight: `[*S]` per-position weight (a padding mask, say), or None. Gets a gradient.
+      class_weight: `[V]` per-item weight, or None. A constant (must not require grad).
+      pos_weight: `[V]` weight of the positive term as in BCEWithLogitsLoss. A constant.
+      reduction: 'mean' (sum over all N x V elements / (N V), as BCEWithLogitsLoss; padded
+        positions count), 'sum', or 'none' (shape S: each position's loss summed over items; the
+        `[*S, V]` tensor BCEWithLogitsLoss would return is exactly what this function avoids).
+      return_metrics: also return `CutBCEMetrics(tp, fp, fn, tn)` from the same logit tiles.
+      block_v: vocabulary tile width (default: a 16 MiB float32 `[N, block_v]` tile).
+      backend: 'auto' (the torch_xla bridge for XLA tensors, native otherwise), 'native' (chunked
+        PyTorch, CPU/CUDA), 'dense' (materializing reference), 'xla' (bridge; Pallas on TPU, the
+        blocked JAX loop elsewhere), 'xla_blocked', 'xla_pallas' (Pallas kernels; in interpret
+        mode when the XLA device is not a TPU).
+
+    Returns:
+      The loss (float32; float64 for float64 inputs), or `(loss, CutBCEMetrics)`.
+    """
+    size = check_arguments(
+        _spec(hidden), _spec(item_weight), _spec(targets), _spec(bias), _spec(weight),
+        _spec(class_weight), _spec(pos_weight), reduction=reduction, block_v=block_v,
+    )
+    backend = _resolve_backend(backend, hidden)
+    _check_devices(
+        dict(hidden=hidden, item_weight=item_weight, targets=targets, bias=bias, weight=weight,
+             class_weight=class_weight, pos_weight=pos_weight),
+        backend,
+    )
+    _check_constant("class_weight", class_weight)
+    _check_constant("pos_weight", pos_weight)
+    _check_ids_below_vocab(targets, size.num_items)
+    if backend == "dense":
+        return dense_bce_with_logits(
+            hidden, item_weight, targets, bias, weight=weight, class_weight=class_weight,
+            pos_weight=pos_weight, reduction=reduction, return_metrics=return_metrics,
+        )
+    n = size.num_positions
+    block_v = min(block_v or default_block_v(n, size.num_items), size.num_items)
+    flat = (hidden.reshape(n, size.hidden_size), item_weight, bias, class_weight, pos_weight,
+            targets.reshape(n, size.num_slots))
+    if backend == "native":
+        rows, counts = NativeCutBCERows.apply(*flat, block_v, return_metrics)
+    else:
+        from torch_cutbce import xla_bridge  # the one module that imports torch_xla and jax
+
+        rows, counts = xla_bridge.cut_bce_rows(*flat, block_v=block_v, compute_metrics=return_metrics, backend=backend)
+    if weight is not None:
+        rows = rows * weight.reshape(n).to(rows.dtype)
+        counts = counts * weight.detach().reshape(1, n).to(counts.dtype)
+    if reduction == "none":
+        loss = rows.reshape(size.lead_shape)
+    elif reduction == "sum":
+        loss = rows.sum()
+    else:
+        loss = rows.sum() / (n * size.num_items)
+    if not return_metrics:
+        return loss
+    if reduction == "none":
+        return loss, CutBCEMetrics(*counts).reshape(size.lead_shape)
+    return loss, CutBCEMetrics(*counts.sum(-1))
