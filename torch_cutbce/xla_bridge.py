@@ -1,0 +1,162 @@
+"""The torch_xla bridge: XLA tensors -> `call_jax` -> the JAX CutBCE forward and backward.
+
+This is the only module of torch_cutbce that imports torch_xla or jax, and it is imported lazily
+(by `cut_bce_with_logits`, the first time it sees an XLA tensor), torch_xla first: torch_xla must
+claim the TPU before JAX does (its `jax_import_guard`).
+
+How the pieces connect:
+
+    nn.Module / cut_bce_with_logits
+      -> torch.ops.cutbce.xla_rows        a torch.library custom op; `register_autograd` makes it an
+                                          autograd.Function, `register_fake` lets dynamo see it as
+                                          one opaque node (`torch.compile(backend='openxla',
+                                          fullgraph=True)` works)
+      -> call_jax(_jax_forward, ...)      lowers the JAX function to HLO once per shape and splices
+                                          it into torch_xla's lazy graph (same graph as the model)
+      -> jax_kernels.cut_bce_forward      the same function the jax.custom_vjp uses
+      -> Pallas kernels on TPU, the blocked pure-JAX loop elsewhere (or Pallas in interpret mode)
+    backward: torch.ops.cutbce.xla_rows_backward -> call_jax(_jax_backward) -> cut_bce_backward
+
+Saved for the backward: the inputs only (no `[N, V]` or `[N, block_v]` residual).
+`call_jax` caches lowerings by `id(fn)`: `_jax_forward` and `_jax_backward` are module-level and
+must stay so (a closure or lambda would retrace and grow the cache on every step).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch_xla  # noqa: F401  (before jax: torch_xla claims the device first)
+import torch_xla.core.xla_builder as xb
+import torch_xla.runtime as xr
+
+from torch_xla._internal.jax_workarounds import jax_import_guard
+
+jax_import_guard()
+
+import jax  # noqa: E402
+
+import jax_kernels.core as jax_core  # noqa: E402
+
+_trace_count = 0
+
+
+def trace_count() -> int:
+    """How many times the bridge's JAX functions were traced (i.e. lowered by call_jax) so far."""
+    return _trace_count
+
+
+def _jax_forward(hidden, item_weight, targets, bias, class_weight, pos_weight, *, config):
+    global _trace_count
+    _trace_count += 1  # runs at trace time only: counts lowerings, not calls
+    return jax_core.cut_bce_forward(hidden, item_weight, targets, bias, class_weight, pos_weight, config=config)
+
+
+def _jax_backward(hidden, item_weight, targets, bias, class_weight, pos_weight, g, *, config):
+    global _trace_count
+    _trace_count += 1
+    return jax_core.cut_bce_backward(hidden, item_weight, targets, bias, class_weight, pos_weight, g, config=config)
+
+
+def resolve_impl(backend: str, dtype: torch.dtype) -> str:
+    """Kernel choice on the JAX side: Pallas on a TPU, the blocked loop on other XLA backends."""
+    if backend == "xla_blocked":
+        return "blocked"
+    if backend == "xla_pallas":
+        if dtype == torch.float64:
+            raise TypeError("backend='xla_pallas' does not support float64 (TPUs have no float64); use 'xla_blocked'")
+        return "pallas"
+    on_tpu = xr.device_type() == "TPU"
+    return "pallas" if on_tpu and dtype != torch.float64 else "blocked"
+
+
+def _config(block_v: int, compute_metrics: bool, impl: str) -> jax_core.CutBCEConfig:
+    return jax_core.CutBCEConfig(block_v=block_v, compute_metrics=compute_metrics, impl=impl)
+
+
+def _rows_dtype(hidden: torch.Tensor) -> torch.dtype:
+    return torch.float64 if hidden.dtype == torch.float64 else torch.float32
+
+
+@torch.library.custom_op("cutbce::xla_rows", mutates_args=())
+def xla_rows(
+    hidden: torch.Tensor,
+    item_weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None,
+    class_weight: torch.Tensor | None,
+    pos_weight: torch.Tensor | None,
+    block_v: int,
+    compute_metrics: bool,
+    impl: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows `[N]` and counts `[4 or 0, N]` of `jax_kernels.cut_bce_forward`, computed through call_jax."""
+    config = _config(block_v, compute_metrics, impl)
+    rows, counts = xb.call_jax(
+        _jax_forward, (hidden, item_weight, targets, bias, class_weight, pos_weight), {"config": config}
+    )
+    return rows, counts
+
+
+@xla_rows.register_fake
+def _(hidden, item_weight, targets, bias, class_weight, pos_weight, block_v, compute_metrics, impl):
+    n = hidden.shape[0]
+    rows = hidden.new_empty((n,), dtype=_rows_dtype(hidden))
+    return rows, hidden.new_empty((4 if compute_metrics else 0, n), dtype=torch.float32)
+
+
+@torch.library.custom_op("cutbce::xla_rows_backward", mutates_args=())
+def xla_rows_backward(
+    hidden: torch.Tensor,
+    item_weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None,
+    class_weight: torch.Tensor | None,
+    pos_weight: torch.Tensor | None,
+    g: torch.Tensor,
+    block_v: int,
+    impl: str,
+) -> list[torch.Tensor]:
+    """`[d_hidden, d_item_weight]` (+ `d_bias` when bias is given) from `jax_kernels.cut_bce_backward`."""
+    config = _config(block_v, False, impl)
+    d_hidden, d_item_weight, d_bias = xb.call_jax(
+        _jax_backward, (hidden, item_weight, targets, bias, class_weight, pos_weight, g), {"config": config}
+    )
+    return [d_hidden, d_item_weight] + ([] if d_bias is None else [d_bias])
+
+
+@xla_rows_backward.register_fake
+def _(hidden, item_weight, targets, bias, class_weight, pos_weight, g, block_v, impl):
+    grads = [torch.empty_like(hidden), torch.empty_like(item_weight)]
+    return grads + ([] if bias is None else [torch.empty_like(bias)])
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, item_weight, targets, bias, class_weight, pos_weight, block_v, compute_metrics, impl = inputs
+    ctx.save_for_backward(hidden, item_weight, targets, bias, class_weight, pos_weight)
+    ctx.block_v, ctx.impl = block_v, impl
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward(ctx, g_rows, _g_counts):
+    hidden, item_weight, targets, bias, class_weight, pos_weight = ctx.saved_tensors
+    grads = xla_rows_backward(
+        hidden, item_weight, targets, bias, class_weight, pos_weight, g_rows, ctx.block_v, ctx.impl
+    )
+    d_bias = grads[2] if bias is not None else None
+    return grads[0], grads[1], None, d_bias, None, None, None, None, None
+
+
+xla_rows.register_autograd(_backward, setup_context=_setup_context)
+
+
+def cut_bce_rows(hidden, item_weight, bias, class_weight, pos_weight, targets, *, block_v, compute_metrics, backend):
+    """Entry point for `cut_bce_with_logits` (same argument order as the native Function)."""
+    impl = resolve_impl(backend, hidden.dtype)
+    if hidden.dtype == torch.float64 and not jax.config.jax_enable_x64:
+        raise TypeError(
+            "float64 tensors on XLA need JAX's 64-bit mode: jax.config.update('jax_enable_x64', True)"
+        )
+    # Item ids fit int32 (V < 2**31); JAX without 64-bit mode would read int64 as int32 anyway,
+    # and the lowered HLO's parameter types must match the tensors handed to it.
+    targets = targets.to(torch.int32)
+    return xla_rows(hidden, item_weight, targets, bias, class_weight, pos_weight, block_v, compute_metrics, impl)
