@@ -9,9 +9,17 @@ want=$(cat pyproject.toml ci/constraints.txt | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
-echo "[setup] building .venv (first time: several minutes, about 7 GB: torch 2.9 + torch_xla + jax)" >&2
+
+# pip on these machines warns about local mirror folders it skips; keep real errors visible.
+pip_quiet() {
+  .venv/bin/python -m pip install -q --disable-pip-version-check "$@" 2>&1 | { grep -v "is ignored" || true; } >&2
+}
+
+echo "[setup] building .venv (first time: a few minutes and about 7 GB: torch 2.9, torch_xla, jax)" >&2
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check -U pip
-.venv/bin/python -m pip install -q --disable-pip-version-check \
-  -c ci/constraints.txt -e '.[xla,examples,test]'
+pip_quiet -U pip
+# torch 2.9.0 (what torch_xla 2.9.0 is built against), torch_xla[pallas] with jax/jaxlib 0.7.1,
+# flax for torch_xla's bundled torchax, and the example and test extras.
+pip_quiet -c ci/constraints.txt -e '.[xla,examples,test]'
 echo "$want" > "$stamp"
+echo "[setup] .venv ready" >&2
