@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -27,6 +26,11 @@ def positive_slots(targets: torch.Tensor, num_items: int) -> tuple[torch.Tensor,
     return torch.where(mask, ids, torch.zeros_like(ids)).long(), mask
 
 
+def softplus(z: torch.Tensor) -> torch.Tensor:
+    """max(z, 0) + log1p(exp(-|z|)): exact and finite for any z (F.softplus switches to z above a threshold)."""
+    return z.clamp(min=0) + torch.log1p(torch.exp(-z.abs()))
+
+
 def _gather(values, ids, acc):
     return None if values is None else values.to(acc)[ids]
 
@@ -44,7 +48,7 @@ def correction_forward(hidden_acc, item_weight, bias, class_weight, pos_weight, 
     acc = hidden_acc.dtype
     z, _ = _positive_logits(hidden_acc, item_weight, bias, ids)
     pw = _gather(pos_weight, ids, acc)
-    corr = -z if pw is None else pw * F.softplus(-z, threshold=1e9) - F.softplus(z, threshold=1e9)
+    corr = -z if pw is None else pw * softplus(-z) - softplus(z)
     cw = _gather(class_weight, ids, acc)
     if cw is not None:
         corr = corr * cw
