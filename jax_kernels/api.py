@@ -17,18 +17,20 @@ def _spec(x):
     if x is None:
         return None
     dtype = jnp.dtype(x.dtype)
-    return ArraySpec(tuple(x.shape), dtype.kind, dtype.name)
+    # bfloat16 (an ml_dtypes extension type) has numpy kind 'V', not 'f'.
+    return ArraySpec(tuple(x.shape), "f" if jnp.issubdtype(dtype, jnp.floating) else dtype.kind, dtype.name)
 
 
 def resolve_impl(impl: str, dtype) -> str:
-    """'auto' -> Pallas on a TPU backend, the blocked pure-JAX loop elsewhere (and for float64)."""
+    """'auto' -> Pallas on a TPU backend, the blocked pure-JAX loop elsewhere (and for float64/float16)."""
     if impl not in IMPL_CHOICES:
         raise ValueError(f"impl must be one of {IMPL_CHOICES}, got {impl!r}")
-    if impl == "pallas" and jnp.dtype(dtype) == jnp.float64:
-        raise TypeError("impl='pallas' does not support float64 inputs (TPUs have no float64); use impl='blocked'")
+    kernel_dtype = jnp.dtype(dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+    if impl == "pallas" and not kernel_dtype:
+        raise TypeError(f"impl='pallas' supports float32 and bfloat16 inputs, got {jnp.dtype(dtype).name}; use impl='blocked'")
     if impl != "auto":
         return impl
-    if jnp.dtype(dtype) != jnp.float64 and jax.default_backend() == "tpu":
+    if kernel_dtype and jax.default_backend() == "tpu":
         return "pallas"
     return "blocked"
 

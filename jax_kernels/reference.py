@@ -100,4 +100,5 @@ def reduce_rows(rows, reduction, num_items):
         return rows
     if reduction == "sum":
         return rows.sum()
-    return rows.sum() / (rows.shape[0] * num_items)
+    # A Python float: N * V overflows int32 under jit (8192 x 876,939 > 2**31) without x64.
+    return rows.sum() / float(rows.shape[0] * num_items)

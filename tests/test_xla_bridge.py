@@ -78,6 +78,16 @@ def test_bridge_matches_native_and_float64_oracle(reduction, options):
         assert_close(bridge[key], native[key], truth[key], dtype="float32", name=key)
 
 
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_bridge_forced_pallas_interpret_matches_native(reduction):
+    """backend='xla_pallas' on XLA:CPU runs the Pallas kernels in interpret mode inside call_jax."""
+    bridge = _run(_inputs(), torch_xla.device(), OPTIONS["all"], reduction, "xla_pallas")
+    native = _run(_inputs(), "cpu", OPTIONS["all"], reduction, "native")
+    truth = _run(_inputs(torch.float64), "cpu", OPTIONS["all"], reduction, "dense")
+    for key in bridge:
+        assert_close(bridge[key], native[key], truth[key], dtype="float32", name=key)
+
+
 def test_bridge_float64_matches_oracle_to_1e10():
     bridge = _run(_inputs(torch.float64), torch_xla.device(), OPTIONS["all"], "none", "auto")
     truth = _run(_inputs(torch.float64), "cpu", OPTIONS["all"], "none", "dense")

@@ -61,12 +61,13 @@ def resolve_impl(backend: str, dtype: torch.dtype) -> str:
     """Kernel choice on the JAX side: Pallas on a TPU, the blocked loop on other XLA backends."""
     if backend == "xla_blocked":
         return "blocked"
+    kernel_dtype = dtype in (torch.float32, torch.bfloat16)
     if backend == "xla_pallas":
-        if dtype == torch.float64:
-            raise TypeError("backend='xla_pallas' does not support float64 (TPUs have no float64); use 'xla_blocked'")
+        if not kernel_dtype:
+            raise TypeError(f"backend='xla_pallas' supports float32 and bfloat16, got {dtype}; use 'xla_blocked'")
         return "pallas"
     on_tpu = xr.device_type() == "TPU"
-    return "pallas" if on_tpu and dtype != torch.float64 else "blocked"
+    return "pallas" if on_tpu and kernel_dtype else "blocked"
 
 
 def _config(block_v: int, compute_metrics: bool, impl: str) -> jax_core.CutBCEConfig:

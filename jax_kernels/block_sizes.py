@@ -1,0 +1,273 @@
+"""Block sizes and the VMEM budget of the Pallas TPU background kernels.
+
+The kernels in `pallas_background.py` tile the `[N, V]` logits into `[block_n, block_v]` tiles that
+live only in VMEM (the TPU core's on-chip vector memory). This module holds
+
+- `ChipSpec` and `CHIPS`: a per-generation table (VMEM, MXU width, HBM bandwidth, peak matmul rate),
+- `detect_chip()`: the chip of the first JAX device when it is a TPU, else None,
+- `vmem_estimate_bytes()`: a conservative model of the kernels' VMEM use for one tile shape,
+- `BlockSizes`: a frozen, hashable, self-validating config that users may pass to override sizes,
+- `default_block_sizes()`: the largest MXU-aligned tiles that fit the chip's VMEM budget.
+
+Sources of the table (all numbers are per JAX device, i.e. what one kernel launch can use):
+- VMEM per TensorCore, MXU width, HBM bandwidth and bf16 peak: `jax/_src/pallas/mosaic/tpu_info.py`
+  in jax-ml/jax (the table behind `pltpu.get_tpu_info()` in jax >= 0.8; jax 0.7.1 lacks that API),
+  cross-checked against the Cloud TPU pages (docs.cloud.google.com/tpu/docs/v5e, /v6e).
+- v4 and v5p expose both TensorCores of a chip as one device ("megacore"): HBM and peak are the
+  chip's, VMEM is per core (each core runs half of the "parallel" grid axis with its own VMEM).
+- TPU7x exposes each TensorCore as its own device: HBM and peak are half the chip's.
+- float32 peak: the MXU multiplies bf16; an f32 matmul at `Precision.HIGHEST` (what the kernels use
+  for f32 inputs) takes 6 bf16 passes, so f32 peak = bf16 peak / 6. That is our estimate, not a
+  published number.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+
+MIB = 1024 * 1024
+LANES = 128  # TPU vector register: 8 sublanes x 128 lanes of 32-bit words.
+
+
+@dataclasses.dataclass(frozen=True)
+class ChipSpec:
+    """What the block-size heuristic needs to know about one TPU generation (per JAX device).
+
+    Attributes:
+        name: short name, e.g. `'v5e'`.
+        vmem_bytes: VMEM capacity of one TensorCore.
+        mxu_width: side of the systolic matmul unit (128 or 256); tiles are multiples of it.
+        hbm_bytes_per_s: HBM bandwidth available to the device.
+        bf16_flops_per_s: peak bf16 matmul rate of the device (2 flops per multiply-add).
+        cores_per_device: TensorCores behind one device (2 on megacore chips v4 and v5p).
+    """
+
+    name: str
+    vmem_bytes: int
+    mxu_width: int
+    hbm_bytes_per_s: float
+    bf16_flops_per_s: float
+    cores_per_device: int = 1
+
+    @property
+    def f32_flops_per_s(self) -> float:
+        """Peak f32 matmul rate at Precision.HIGHEST (6 bf16 passes; an estimate)."""
+        return self.bf16_flops_per_s / 6
+
+    @property
+    def vmem_limit_bytes(self) -> int:
+        """The scoped-VMEM limit the kernels request: 3/4 of capacity, the rest left to Mosaic."""
+        return self.vmem_bytes * 3 // 4
+
+    def ridge_flops_per_byte(self, dtype) -> float:
+        """Arithmetic intensity at which a matmul stops being HBM-bound (roofline ridge point)."""
+        peak = self.bf16_flops_per_s if _itemsize(dtype) == 2 else self.f32_flops_per_s
+        return peak / self.hbm_bytes_per_s
+
+
+CHIPS: dict[str, ChipSpec] = {
+    "v4": ChipSpec("v4", 16 * MIB, 128, 1.23e12, 2.75e14, cores_per_device=2),
+    "v5e": ChipSpec("v5e", 128 * MIB, 128, 8.2e11, 1.97e14),
+    "v5p": ChipSpec("v5p", 64 * MIB, 128, 2.46e12, 4.59e14, cores_per_device=2),
+    "v6e": ChipSpec("v6e", 128 * MIB, 256, 1.64e12, 9.2e14),
+    "v7": ChipSpec("v7", 64 * MIB, 256, 3.7e12, 1.155e15),
+}
+
+# Used when lowering for TPU on a host without one (jax.export in CI): tiles that are legal and fit
+# on every generation above (the smallest VMEM, the widest MXU alignment).
+PORTABLE_CHIP = ChipSpec("portable", 16 * MIB, 256, 8.2e11, 1.97e14)
+
+# `jax.Device.device_kind` strings as reported by the TPU runtime (same list as jax's tpu_info.py).
+_DEVICE_KINDS = {
+    "TPU v4": "v4",
+    "TPU v5 lite": "v5e",
+    "TPU v5e": "v5e",
+    "TPU v5": "v5p",
+    "TPU v5p": "v5p",
+    "TPU v6 lite": "v6e",
+    "TPU v6e": "v6e",
+    "TPU7x": "v7",
+    "TPU7": "v7",
+}
+
+
+def _itemsize(dtype) -> int:
+    return np.dtype(dtype).itemsize
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+@functools.lru_cache(maxsize=1)
+def detect_chip() -> ChipSpec | None:
+    """The spec of the first JAX device if it is a known TPU, else None.
+
+    Called at trace time, never at import. The torch_xla bridge should pass `chip=` to
+    `default_block_sizes` instead: under torch_xla, JAX may not see the TPU that torch_xla holds.
+    """
+    try:
+        device = jax.devices()[0]
+    except RuntimeError:
+        return None
+    if device.platform != "tpu":
+        return None
+    name = _DEVICE_KINDS.get(device.device_kind)
+    return CHIPS.get(name) if name else None
+
+
+def vmem_estimate_bytes(block_n: int, block_v: int, d: int, dtype) -> int:
+    """Upper estimate of the VMEM one grid step of the worst of the three kernels uses.
+
+    Pallas double-buffers every block (the DMA of step k+1 overlaps the compute of step k); rows are
+    padded to 128 lanes and row vectors to 8 sublanes in VMEM.
+
+    - inputs: hidden `[block_n, d]`, item_weight `[block_v, d]` (input dtype); bias and class weight
+      `[1, block_v]` f32; the lane-replicated upstream gradient `[block_n, 128]` f32.
+    - outputs: the d_item_weight block `[block_v, d]` f32 and d_bias `[1, block_v]` f32 (the largest
+      output set; the d_hidden block `[block_n, d]` f32 and the forward's `[block_n, 128]` partial
+      sums are counted by the max).
+    - temporaries: five f32 `[block_n, block_v]` tiles (logits, exp(-|z|), sigmoid or softplus, dz
+      and its transpose), one copy of the tile in the input dtype (the MXU operand), the masked
+      item_weight tile and the f32 matmul result before it is added to the accumulator.
+
+    Args:
+        block_n: rows (positions) per tile.
+        block_v: columns (items) per tile.
+        d: hidden size D.
+        dtype: input dtype of hidden and item_weight.
+
+    Returns:
+        Bytes of VMEM.
+    """
+    b = _itemsize(dtype)
+    dp = _round_up(d, LANES)
+    row_vec = 8 * block_v * 4
+    inputs = 2 * (block_n * dp * b + block_v * dp * b + 2 * row_vec + block_n * LANES * 4)
+    outputs = 2 * max(block_v * dp * 4 + row_vec, block_n * dp * 4, 2 * block_n * LANES * 4)
+    temps = 5 * block_n * block_v * 4 + block_n * block_v * b + block_v * dp * (b + 4)
+    return inputs + outputs + temps
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile shape and VMEM limit of the background kernels (frozen and hashable: a static argument).
+
+    Attributes:
+        block_n: positions per tile; a multiple of 128 (the backward transposes `[block_n, block_v]`
+            tiles and contracts over block_n on the MXU).
+        block_v: items per tile; a multiple of 128 (lanes). Prefer a multiple of the MXU width.
+        vmem_limit_bytes: scoped VMEM limit passed to Mosaic; None keeps the compiler's default
+            (16 MiB on v4/v5e, 32 MiB on v6e), which large tiles exceed.
+    """
+
+    block_n: int
+    block_v: int
+    vmem_limit_bytes: int | None = None
+
+    def __post_init__(self):
+        block_n, block_v, vmem_limit_bytes = self.block_n, self.block_v, self.vmem_limit_bytes
+        for name, value in (("block_n", block_n), ("block_v", block_v)):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+                raise TypeError(f"BlockSizes.{name} must be an int, got {value!r}")
+        if block_n <= 0 or block_n % LANES:
+            raise ValueError(f"BlockSizes: {block_n=} must be a positive multiple of {LANES}")
+        if block_v <= 0 or block_v % LANES:
+            raise ValueError(f"BlockSizes: {block_v=} must be a positive multiple of {LANES}")
+        if vmem_limit_bytes is not None and not (MIB <= vmem_limit_bytes <= 256 * MIB):
+            raise ValueError(f"BlockSizes: {vmem_limit_bytes=} must lie in [1 MiB, 256 MiB]")
+
+    def clipped(self, n: int, v: int) -> "BlockSizes":
+        """The same config with tiles no larger than the (128-aligned) problem, so that a small N or
+        V does not pay for a mostly empty tile."""
+        return dataclasses.replace(
+            self,
+            block_n=min(self.block_n, _round_up(max(n, 1), LANES)),
+            block_v=min(self.block_v, _round_up(max(v, 1), LANES)),
+        )
+
+
+def _balanced(total: int, cap: int, align: int) -> int:
+    """The smallest aligned tile that covers `total` in as few tiles as a `cap` tile would.
+
+    N = 1100 with cap 1024 gives 2 tiles of 640 (1280 rows) instead of 2 x 1024 (2048 rows).
+    """
+    tiles = -(-max(total, 1) // cap)
+    return min(cap, _round_up(-(-max(total, 1) // tiles), align))
+
+
+def default_block_sizes(
+    n: int, v: int, d: int, dtype, chip: str | ChipSpec | None = None
+) -> BlockSizes:
+    """Derive tiles for an `[N, D] x [V, D]` background from the chip's VMEM and MXU.
+
+    Start from block_n = 1024 and block_v = 4096 and halve the larger side (block_v first, never
+    below block_n) until `vmem_estimate_bytes` fits `chip.vmem_limit_bytes`. block_n sets the
+    arithmetic intensity of the forward and the d_hidden kernel (the item table is streamed once
+    per token tile: 2 * block_n / itemsize flops per byte); block_v sets that of the d_item_weight
+    kernel (hidden is streamed once per item tile). Tiles are multiples of the MXU width, then
+    balanced over the problem (no mostly empty last tile) and clipped to it.
+
+    Args:
+        n: positions N.
+        v: items V.
+        d: hidden size D.
+        dtype: input dtype (float32 or bfloat16).
+        chip: a key of `CHIPS`, a `ChipSpec`, or None to use `detect_chip()`, falling back to
+            `PORTABLE_CHIP` when no TPU is visible (e.g. when exporting for TPU from a CPU host).
+
+    Returns:
+        A validated `BlockSizes`.
+    """
+    if isinstance(chip, str):
+        if chip not in CHIPS:
+            raise ValueError(f"unknown TPU {chip=}; known: {sorted(CHIPS)}")
+        spec = CHIPS[chip]
+    else:
+        spec = chip or detect_chip() or PORTABLE_CHIP
+    align = max(spec.mxu_width, LANES)
+    budget = spec.vmem_limit_bytes
+    block_n, block_v = 1024, 4096
+    while vmem_estimate_bytes(block_n, block_v, d, dtype) > budget:
+        if block_v > max(block_n, align):
+            block_v //= 2
+        elif block_n > LANES:
+            block_n //= 2
+        elif block_v > LANES:
+            block_v //= 2
+        else:
+            break  # d alone exceeds the budget; the smallest tiles are the best we can do.
+    # Megacore chips split the "parallel" token axis over two cores: give each core a tile.
+    if spec.cores_per_device > 1 and n > LANES:
+        block_n = min(block_n, _round_up(-(-n // spec.cores_per_device), LANES))
+    block_n = _balanced(n, block_n, LANES)
+    block_v = _balanced(v, block_v, align if block_v >= align else LANES)
+    return BlockSizes(block_n=block_n, block_v=block_v, vmem_limit_bytes=budget)
+
+
+def tile_cost(block_n: int, block_v: int, d: int, dtype) -> dict[str, float]:
+    """Flops and HBM bytes of one grid step of each kernel (the numbers in README.md).
+
+    Returns:
+        A dict with `flops` (one logits matmul: 2 * block_n * block_v * d) and, for each kernel, the
+        bytes streamed from HBM per step: `fwd_bytes` and `dh_bytes` (one item_weight tile; hidden
+        stays resident across the item axis), `dw_bytes` (one hidden tile and its gradient rows;
+        item_weight stays resident across the token axis).
+    """
+    b = _itemsize(dtype)
+    flops = 2.0 * block_n * block_v * d
+    table_tile = block_v * (d * b + 8)  # item_weight rows plus bias and class weight
+    return {
+        "flops": flops,
+        "fwd_bytes": float(table_tile),
+        "dh_bytes": float(table_tile),
+        "dw_bytes": float(block_n * (d * b + LANES * 4)),
+        "fwd_intensity": flops / table_tile,
+        "dh_intensity": 2 * flops / table_tile,
+        "dw_intensity": 2 * flops / (block_n * (d * b + LANES * 4)),
+        "vmem_bytes": float(vmem_estimate_bytes(block_n, block_v, d, dtype)),
+    }

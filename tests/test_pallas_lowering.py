@@ -1,0 +1,111 @@
+"""Rung L2, TPU side: every kernel variant lowers to Mosaic for TPU, on this CPU-only host.
+
+`jax.export` with `platforms=['tpu']` runs the Pallas TPU lowering (block-shape rules, the tpu
+dialect of every op in the kernel bodies) without a TPU; nothing is executed, all inputs are
+`jax.ShapeDtypeStruct`s. A block shape or an op that Mosaic's Pallas lowering rejects fails here.
+(Mosaic's own backend compile, layouts and the real VMEM fit, happens only in libtpu on a TPU.)
+
+The same functions jitted for CPU must lower to the interpreter, with no TPU custom call:
+the mode is chosen by the platform lowered for, not by the host.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import export
+
+from jax_kernels.block_sizes import BlockSizes, default_block_sizes
+from jax_kernels.pallas_background import pallas_background_backward, pallas_background_forward
+
+NS = (1000, 8192)
+VS = (1000, 100000, 876939)
+DS = (64, 96, 256)
+DTYPES = (jnp.float32, jnp.bfloat16)
+TPU_CALL = "tpu_custom_call"
+
+
+def sds(shape, dtype=jnp.float32):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def exported_text(fn, *args):
+    return export.export(jax.jit(fn), platforms=["tpu"])(*args).mlir_module()
+
+
+def lower_both(n, v, d, dtype, block_sizes, *, bias, class_weight, compute_counts):
+    """Export forward and backward for TPU; return their module texts."""
+
+    def forward(h, w, b, c):
+        return pallas_background_forward(h, w, b, c, compute_counts=compute_counts,
+                                         block_sizes=block_sizes)
+
+    def backward(h, w, b, c, g):
+        return pallas_background_backward(h, w, b, c, g, block_sizes=block_sizes)
+
+    args = (sds((n, d), dtype), sds((v, d), dtype), sds((v,)) if bias else None,
+            sds((v,)) if class_weight else None)
+    return exported_text(forward, *args), exported_text(backward, *args, sds((n,)))
+
+
+def check_shape_matrix(chip, dtype):
+    """Every (N, V, D) of the issue's matrix, forward (one kernel) and backward (two kernels).
+    The optional inputs rotate with the loop index, so each variant meets every shape class."""
+    for k, (n, v, d) in enumerate(itertools.product(NS, VS, DS)):
+        bias, class_weight, compute_counts = k % 2 == 0, k % 3 != 1, k % 4 < 2
+        block_sizes = default_block_sizes(n, v, d, dtype, chip=chip)
+        fwd, bwd = lower_both(n, v, d, dtype, block_sizes, bias=bias, class_weight=class_weight,
+                              compute_counts=compute_counts)
+        where = f"{chip} {jnp.dtype(dtype).name} N={n} V={v} D={d} {block_sizes}"
+        assert fwd.count(TPU_CALL) == 1, f"forward not lowered to Mosaic: {where}"
+        assert bwd.count(TPU_CALL) == 2, f"backward not lowered to two Mosaic kernels: {where}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: jnp.dtype(t).name)
+@pytest.mark.parametrize("chip", ["v5e", "v6e", "v4"])
+def test_shape_matrix_lowers_for_tpu(chip, dtype):
+    check_shape_matrix(chip, dtype)
+
+
+@pytest.mark.parametrize("chip", ["v5p", "v7", None])
+def test_other_chips_and_portable_default_lower(chip):
+    """v5p and v7 budgets, and chip=None (no TPU here: the portable table row)."""
+    for n, v, d, dtype in [(8192, 876939, 96, jnp.bfloat16), (1000, 100000, 256, jnp.float32)]:
+        block_sizes = None if chip is None else default_block_sizes(n, v, d, dtype, chip=chip)
+        fwd, bwd = lower_both(n, v, d, dtype, block_sizes, bias=True, class_weight=True,
+                              compute_counts=True)
+        assert fwd.count(TPU_CALL) == 1 and bwd.count(TPU_CALL) == 2
+
+
+def test_user_block_sizes_and_tiny_shapes_lower():
+    """Hand-picked tiles, including ones larger than the problem (clipped) and a single row."""
+    cases = [
+        (1, 1, 8, jnp.float32, BlockSizes(block_n=1024, block_v=4096)),
+        (5, 100, 64, jnp.bfloat16, BlockSizes(block_n=128, block_v=128)),
+        (1000, 1000, 96, jnp.float32, BlockSizes(block_n=1024, block_v=1024)),
+        (300, 70000, 33, jnp.bfloat16, BlockSizes(block_n=256, block_v=8192,
+                                                  vmem_limit_bytes=64 << 20)),
+    ]
+    for n, v, d, dtype, block_sizes in cases:
+        fwd, bwd = lower_both(n, v, d, dtype, block_sizes, bias=False, class_weight=False,
+                              compute_counts=False)
+        assert fwd.count(TPU_CALL) == 1 and bwd.count(TPU_CALL) == 2
+
+
+def test_cpu_lowering_uses_the_interpreter():
+    """Lowered for CPU, the same functions contain no Mosaic call: platform_dependent keeps only
+    the interpret=True branch."""
+    block_sizes = BlockSizes(block_n=128, block_v=256)
+
+    def both(h, w, b, c, g):
+        row_bg, _ = pallas_background_forward(h, w, b, c, compute_counts=True,
+                                              block_sizes=block_sizes)
+        return row_bg, pallas_background_backward(h, w, b, c, g, block_sizes=block_sizes)
+
+    args = (sds((300, 40)), sds((700, 40)), sds((700,)), sds((700,)), sds((300,)))
+    cpu_text = jax.jit(both).lower(*args).as_text()
+    assert TPU_CALL not in cpu_text
+    assert exported_text(both, *args).count(TPU_CALL) == 3
