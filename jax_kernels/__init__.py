@@ -6,6 +6,7 @@ torch_cutbce uses for its argument checks, does not import jax.
 
 _PUBLIC = {
     "cut_bce": "jax_kernels.api",
+    "cut_bce_sharded": "jax_kernels.sharded",
     "dense_cut_bce": "jax_kernels.reference",
     "CutBCEConfig": "jax_kernels.core",
     "cut_bce_forward": "jax_kernels.core",

@@ -58,6 +58,9 @@ def cut_bce(
     block_v: int | None = None,
     impl: str = "auto",
     block_sizes=None,
+    mesh=None,
+    vocab_axis="model",
+    data_axis="data",
 ):
     """Binary cross-entropy of `hidden @ item_weight.T + bias` against multi-hot targets, without the logits.
 
@@ -83,10 +86,21 @@ def cut_bce(
       impl: 'auto' (Pallas on TPU, blocked elsewhere), 'blocked', or 'pallas' (Mosaic kernels on
         TPU; the same kernels in interpret mode when lowered for another platform).
       block_sizes: Pallas tile sizes (`jax_kernels.block_sizes.BlockSizes`), None = derived.
+      mesh, vocab_axis, data_axis: run sharded over a device mesh, the item table split along V
+        on `vocab_axis` and the positions on `data_axis` (`jax_kernels.sharded.cut_bce_sharded`
+        documents the rules); None (default) runs on one device.
 
     Returns:
       The loss (float32, or float64 for float64 inputs), or `(loss, (tp, fp, fn, tn))`.
     """
+    if mesh is not None:
+        from jax_kernels.sharded import cut_bce_sharded  # lazy: sharded imports this module
+
+        return cut_bce_sharded(
+            hidden, item_weight, targets, bias, mesh=mesh, vocab_axis=vocab_axis, data_axis=data_axis,
+            weight=weight, class_weight=class_weight, pos_weight=pos_weight, reduction=reduction,
+            return_metrics=return_metrics, block_v=block_v, impl=impl, block_sizes=block_sizes,
+        )
     size = check_arguments(
         _spec(hidden), _spec(item_weight), _spec(targets), _spec(bias), _spec(weight),
         _spec(class_weight), _spec(pos_weight), reduction=reduction, block_v=block_v,

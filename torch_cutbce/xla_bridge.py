@@ -34,8 +34,11 @@ from torch_xla._internal.jax_workarounds import jax_import_guard
 jax_import_guard()
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 import jax_kernels.core as jax_core  # noqa: E402
+import jax_kernels.sharded as jax_sharded  # noqa: E402
 
 _trace_count = 0
 
@@ -45,16 +48,26 @@ def trace_count() -> int:
     return _trace_count
 
 
-def _jax_forward(hidden, item_weight, targets, bias, class_weight, pos_weight, *, config):
+def _jax_forward(hidden, item_weight, targets, bias, class_weight, pos_weight, *, config, layout):
     global _trace_count
     _trace_count += 1  # runs at trace time only: counts lowerings, not calls
-    return jax_core.cut_bce_forward(hidden, item_weight, targets, bias, class_weight, pos_weight, config=config)
+    if layout is None:
+        return jax_core.cut_bce_forward(hidden, item_weight, targets, bias, class_weight, pos_weight, config=config)
+    return jax_sharded.sharded_forward(hidden, item_weight, targets, bias, class_weight, pos_weight, layout=layout)
 
 
-def _jax_backward(hidden, item_weight, targets, bias, class_weight, pos_weight, g, *, config):
+def _jax_backward(hidden, item_weight, targets, bias, class_weight, pos_weight, g, *, config, layout):
     global _trace_count
     _trace_count += 1
-    return jax_core.cut_bce_backward(hidden, item_weight, targets, bias, class_weight, pos_weight, g, config=config)
+    args = (hidden, item_weight, targets, bias, class_weight, pos_weight, g)
+    if layout is None:
+        d_hidden, d_items, d_bias = jax_core.cut_bce_backward(*args, config=config)
+    else:
+        d_hidden, d_items, d_bias = jax_sharded.sharded_backward(*args, layout=layout)
+    # torch_xla 2.9's call_jax keeps one output tree per function (its latest trace's) and
+    # unflattens every cached lowering with it: (dh, dw, None) after (dh, dw, db) would fail. So
+    # the structure never varies; the empty placeholder is dropped on the torch side.
+    return d_hidden, d_items, jnp.zeros((0,), d_items.dtype) if d_bias is None else d_bias
 
 
 def resolve_impl(backend: str, dtype: torch.dtype) -> str:
@@ -70,14 +83,34 @@ def resolve_impl(backend: str, dtype: torch.dtype) -> str:
     return "pallas" if on_tpu and kernel_dtype else "blocked"
 
 
-def _config(block_v: int, compute_metrics: bool, impl: str) -> jax_core.CutBCEConfig:
-    return jax_core.CutBCEConfig(block_v=block_v, compute_metrics=compute_metrics, impl=impl)
+def _axis(name: str):
+    """'' -> None, 'a' -> 'a', 'a,b' -> ('a', 'b'): custom ops take no nested or optional lists."""
+    if not name:
+        return None
+    return tuple(name.split(",")) if "," in name else name
+
+
+def _join(axis) -> str:
+    return "" if axis is None else (axis if isinstance(axis, str) else ",".join(axis))
+
+
+def _static(block_v, compute_metrics, impl, mesh_shape, mesh_axes, vocab_axis, data_axis):
+    """The call_jax keyword arguments: the config, and the sharded layout when a mesh is given."""
+    config = jax_core.CutBCEConfig(block_v=block_v, compute_metrics=compute_metrics, impl=impl)
+    if not mesh_shape:
+        return {"config": config, "layout": None}
+    layout = jax_sharded.abstract_layout(
+        tuple(mesh_shape), mesh_axes.split(","), _axis(vocab_axis), _axis(data_axis), config
+    )
+    return {"config": config, "layout": layout}
 
 
 def _rows_dtype(hidden: torch.Tensor) -> torch.dtype:
     return torch.float64 if hidden.dtype == torch.float64 else torch.float32
 
 
+# The mesh travels as plain values (custom ops take ints, lists of ints and strings):
+# mesh_shape [] means one device; mesh_axes, vocab_axis and data_axis are comma-joined names.
 @torch.library.custom_op("cutbce::xla_rows", mutates_args=())
 def xla_rows(
     hidden: torch.Tensor,
@@ -89,17 +122,19 @@ def xla_rows(
     block_v: int,
     compute_metrics: bool,
     impl: str,
+    mesh_shape: list[int],
+    mesh_axes: str,
+    vocab_axis: str,
+    data_axis: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows `[N]` and counts `[4 or 0, N]` of `jax_kernels.cut_bce_forward`, computed through call_jax."""
-    config = _config(block_v, compute_metrics, impl)
-    rows, counts = xb.call_jax(
-        _jax_forward, (hidden, item_weight, targets, bias, class_weight, pos_weight), {"config": config}
-    )
+    static = _static(block_v, compute_metrics, impl, mesh_shape, mesh_axes, vocab_axis, data_axis)
+    rows, counts = xb.call_jax(_jax_forward, (hidden, item_weight, targets, bias, class_weight, pos_weight), static)
     return rows, counts
 
 
 @xla_rows.register_fake
-def _(hidden, item_weight, targets, bias, class_weight, pos_weight, block_v, compute_metrics, impl):
+def _(hidden, item_weight, targets, bias, class_weight, pos_weight, block_v, compute_metrics, impl, *mesh):
     n = hidden.shape[0]
     rows = hidden.new_empty((n,), dtype=_rows_dtype(hidden))
     return rows, hidden.new_empty((4 if compute_metrics else 0, n), dtype=torch.float32)
@@ -116,48 +151,66 @@ def xla_rows_backward(
     g: torch.Tensor,
     block_v: int,
     impl: str,
+    mesh_shape: list[int],
+    mesh_axes: str,
+    vocab_axis: str,
+    data_axis: str,
 ) -> list[torch.Tensor]:
     """`[d_hidden, d_item_weight]` (+ `d_bias` when bias is given) from `jax_kernels.cut_bce_backward`."""
-    config = _config(block_v, False, impl)
+    static = _static(block_v, False, impl, mesh_shape, mesh_axes, vocab_axis, data_axis)
     d_hidden, d_item_weight, d_bias = xb.call_jax(
-        _jax_backward, (hidden, item_weight, targets, bias, class_weight, pos_weight, g), {"config": config}
+        _jax_backward, (hidden, item_weight, targets, bias, class_weight, pos_weight, g), static
     )
-    return [d_hidden, d_item_weight] + ([] if d_bias is None else [d_bias])
+    return [d_hidden, d_item_weight] + ([] if bias is None else [d_bias])
 
 
 @xla_rows_backward.register_fake
-def _(hidden, item_weight, targets, bias, class_weight, pos_weight, g, block_v, impl):
+def _(hidden, item_weight, targets, bias, class_weight, pos_weight, g, block_v, impl, *mesh):
     grads = [torch.empty_like(hidden), torch.empty_like(item_weight)]
     return grads + ([] if bias is None else [torch.empty_like(bias)])
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, item_weight, targets, bias, class_weight, pos_weight, block_v, compute_metrics, impl = inputs
+    hidden, item_weight, targets, bias, class_weight, pos_weight, block_v, _, impl, *mesh = inputs
     ctx.save_for_backward(hidden, item_weight, targets, bias, class_weight, pos_weight)
-    ctx.block_v, ctx.impl = block_v, impl
+    ctx.static = (block_v, impl, *mesh)
     ctx.mark_non_differentiable(output[1])
 
 
 def _backward(ctx, g_rows, _g_counts):
     hidden, item_weight, targets, bias, class_weight, pos_weight = ctx.saved_tensors
-    grads = xla_rows_backward(
-        hidden, item_weight, targets, bias, class_weight, pos_weight, g_rows, ctx.block_v, ctx.impl
-    )
+    grads = xla_rows_backward(hidden, item_weight, targets, bias, class_weight, pos_weight, g_rows, *ctx.static)
     d_bias = grads[2] if bias is not None else None
-    return grads[0], grads[1], None, d_bias, None, None, None, None, None
+    return (grads[0], grads[1], None, d_bias) + (None,) * 9
 
 
 xla_rows.register_autograd(_backward, setup_context=_setup_context)
 
 
-def cut_bce_rows(hidden, item_weight, bias, class_weight, pos_weight, targets, *, block_v, compute_metrics, backend):
-    """Entry point for `cut_bce_with_logits` (same argument order as the native Function)."""
+def cut_bce_rows(
+    hidden, item_weight, bias, class_weight, pos_weight, targets, *,
+    block_v, compute_metrics, backend, mesh=None, vocab_axis="model", data_axis="data",
+):
+    """Entry point for `cut_bce_with_logits` (same argument order as the native Function).
+
+    `mesh`: a `torch_xla.distributed.spmd.Mesh` to run sharded under torch_xla SPMD (its device
+    ids must be 0..n-1 in order: the JAX side lowers over an AbstractMesh of the same shape and
+    axis names, i.e. row-major logical ids), or None for one device.
+    """
     impl = resolve_impl(backend, hidden.dtype)
     if hidden.dtype == torch.float64 and not jax.config.jax_enable_x64:
         raise TypeError(
             "float64 tensors on XLA need JAX's 64-bit mode: jax.config.update('jax_enable_x64', True)"
         )
+    mesh_args = ([], "", "", "")
+    if mesh is not None:
+        device_ids = np.asarray(mesh.device_ids).ravel()
+        if not np.array_equal(device_ids, np.arange(device_ids.size)):
+            raise ValueError(f"mesh.device_ids must be 0..n-1 in order, got {mesh.device_ids}")
+        mesh_args = (list(mesh.mesh_shape), ",".join(mesh.axis_names), _join(vocab_axis), _join(data_axis))
     # Item ids fit int32 (V < 2**31); JAX without 64-bit mode would read int64 as int32 anyway,
     # and the lowered HLO's parameter types must match the tensors handed to it.
     targets = targets.to(torch.int32)
-    return xla_rows(hidden, item_weight, targets, bias, class_weight, pos_weight, block_v, compute_metrics, impl)
+    return xla_rows(
+        hidden, item_weight, targets, bias, class_weight, pos_weight, block_v, compute_metrics, impl, *mesh_args
+    )

@@ -1,0 +1,240 @@
+"""Subprocess side of tests/test_sharded_torch.py: torch_xla SPMD on 4 CPU devices.
+
+Run as `python tests/_sharded_xla_worker.py OUT.json DUMP_DIR` with PJRT_DEVICE=CPU,
+CPU_NUM_DEVICES=4 and XLA_FLAGS="--xla_dump_to=DUMP_DIR --xla_dump_hlo_as_text" (set by the test:
+`use_spmd()` must run before any XLA tensor exists, and the dump is how the partitioned program is
+read back). Two things are measured against the native CPU path, with the table marked sharded
+along V and the positions along 'data':
+
+- `plain`: the existing bridge (`cut_bce_with_logits(backend='xla')`) unchanged. Its `call_jax`
+  computation carries no sharding, so the SPMD partitioner is free to choose, and it all-gathers the
+  whole table before the tile loop (exact, but every device loops over all V).
+- `sharded_*`: the bridge proposed below, whose `call_jax` function is `jax_kernels.sharded`'s
+  shard_map over an `AbstractMesh` of the same shape. Its manual-sharding annotations survive into
+  the torch_xla graph, so each device loops over its own V / shards rows and the collectives are
+  the shard_map's psums.
+
+For each case the report holds relative errors (rows, counts, gradients of `sum(rows * g)` for a
+random g) and facts read from the partitioned HLO. The custom ops below are the code proposed for
+`torch_cutbce/xla_bridge.py` (namespace `cutbce_sharded_proposal` here, to avoid clashing).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shutil
+import sys
+
+import numpy as np
+import torch
+import torch_xla
+import torch_xla.core.xla_builder as xb
+import torch_xla.distributed.spmd as xs
+import torch_xla.runtime as xr
+from torch_xla._internal.jax_workarounds import jax_import_guard
+
+jax_import_guard()
+
+import jax  # noqa: E402
+
+from torch_cutbce import xla_bridge  # noqa: E402
+
+N, V, D, L = 45, 301, 12, 5  # 45 positions over 2 or 4 data shards and 301 items over 2 or 4: all padded
+BLOCK_V = 16
+# name -> (torch_xla mesh shape, axis names, vocab_axis, data_axis); 8 x 1 is covered on the JAX side.
+CASES = {
+    "sharded_1x4": ((1, 4), ("data", "model"), "model", "data"),
+    "sharded_2x2": ((2, 2), ("data", "model"), "model", "data"),
+}
+COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(-start)?\(")
+
+
+# ---- the measurements ------------------------------------------------------------------------
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(N, D, generator=g) * 2
+    hidden[2] *= 40
+    targets = torch.randint(-1, V, (N, L), generator=g)
+    targets[:, 1] = targets[:, 0]
+    targets[0] = -1
+    targets[1, :3] = V - 1
+    return dict(
+        hidden=hidden, item_weight=torch.randn(V, D, generator=g), bias=torch.randn(V, generator=g),
+        targets=targets, class_weight=torch.rand(V, generator=g) + 0.5, pos_weight=torch.rand(V, generator=g) * 3 + 0.25,
+        upstream=torch.randn(N, generator=torch.Generator().manual_seed(1)),
+    )
+
+
+def _native(inputs):
+    from torch_cutbce.native import NativeCutBCERows
+
+    h, e, b = (inputs[k].clone().requires_grad_(True) for k in ("hidden", "item_weight", "bias"))
+    rows, counts = NativeCutBCERows.apply(
+        h, e, b, inputs["class_weight"], inputs["pos_weight"], inputs["targets"], BLOCK_V, True
+    )
+    (rows * inputs["upstream"]).sum().backward()
+    return {"rows": rows.detach(), "counts": counts, "d_hidden": h.grad, "d_item_weight": e.grad, "d_bias": b.grad}
+
+
+def _on_mesh(inputs, mesh_shape, axis_names, rows_fn):
+    device = torch_xla.device()
+    mesh = xs.Mesh(np.arange(int(np.prod(mesh_shape))), mesh_shape, axis_names)
+    t = {k: v.to(device) for k, v in inputs.items()}
+    for k in ("hidden", "item_weight", "bias"):
+        t[k].requires_grad_(True)
+    # What a user of torch_xla SPMD writes: the table split along V, the positions along 'data'.
+    xs.mark_sharding(t["item_weight"], mesh, ("model", None))
+    xs.mark_sharding(t["bias"], mesh, ("model",))
+    xs.mark_sharding(t["hidden"], mesh, ("data", None))
+    rows, counts = rows_fn(t, mesh)
+    (rows * t["upstream"]).sum().backward()
+    out = [rows, counts, t["hidden"].grad, t["item_weight"].grad, t["bias"].grad]
+    torch_xla.sync()  # one graph: forward and backward
+    names = ("rows", "counts", "d_hidden", "d_item_weight", "d_bias")
+    return {k: v.detach().cpu() for k, v in zip(names, out)}
+
+
+def _plain_rows(t, mesh):
+    from torch_cutbce import xla_bridge
+
+    return xla_bridge.cut_bce_rows(
+        t["hidden"], t["item_weight"], t["bias"], t["class_weight"], t["pos_weight"], t["targets"],
+        block_v=BLOCK_V, compute_metrics=True, backend="xla_blocked",
+    )
+
+
+def _hlo_facts(dump_dir):
+    """Collectives and the table's shape inside the tile loops, from the partitioned, optimized HLO."""
+    texts = [open(p).read() for p in sorted(glob.glob(os.path.join(dump_dir, "*SyncTensorsGraph*after_optimizations.txt")))]
+    text = "\n".join(texts)
+    kinds = [m.group(1) for m in COLLECTIVE.finditer(text)]
+    gathers = re.findall(r"= (\w+\[[\d,]*\])\S* all-gather\(", text)
+    # A while loop's carried tuple type lists every array the loop reads, the table slice included.
+    carried = " ".join(line.split(" while(")[0] for line in text.splitlines() if " while(" in line)
+    return {"modules": len(texts), "collectives": {k: kinds.count(k) for k in sorted(set(kinds))},
+            "gathered_shapes": sorted(set(gathers)), "loop_shapes": sorted(set(re.findall(r"f32\[\d+,\d+\]", carried)))}
+
+
+def _errors(out, ref):
+    from parity import relative_error
+
+    return {k: relative_error(out[k], ref[k])[0] for k in ref}
+
+
+def _measure(rows_fn, mesh_shape, axis_names, inputs, reference, dump_dir, vocab_shards):
+    shutil.rmtree(dump_dir, ignore_errors=True)
+    out = _on_mesh(inputs, mesh_shape, axis_names, rows_fn)
+    return {"errors": _errors(out, reference), "hlo": _hlo_facts(dump_dir), "vocab_shards": vocab_shards}
+
+
+class _TinyRecommender(torch.nn.Module):
+    """A tied item table with a padding row 0, as examples/sasrec.py has: item_weight = rows 1..V."""
+
+    def __init__(self):
+        super().__init__()
+        self.items = torch.nn.Embedding(V + 1, D, padding_idx=0)
+        self.mix = torch.nn.Linear(D, D)
+        self.item_bias = torch.nn.Parameter(torch.zeros(V))
+
+    def forward(self, item_ids):
+        return torch.tanh(self.mix(self.items(item_ids)))
+
+
+def _train(device, rows_fn, mesh=None, steps=5):
+    """Adam steps on the mean loss; with a mesh the table is split along V and the batch along 'data'."""
+    torch.manual_seed(0)
+    model = _TinyRecommender().to(device)
+    if mesh is not None:
+        xs.mark_sharding(model.items.weight, mesh, ("model", None))
+        xs.mark_sharding(model.item_bias, mesh, ("model",))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    inputs = _inputs()
+    item_ids = torch.randint(1, V + 1, (N,), generator=torch.Generator().manual_seed(3)).to(device)
+    targets = inputs["targets"].to(device)
+    if mesh is not None:
+        xs.mark_sharding(item_ids, mesh, ("data",))
+    for _ in range(steps):
+        opt.zero_grad()
+        hidden = model(item_ids)
+        rows, _ = rows_fn(hidden, model.items.weight[1:], model.item_bias, targets, mesh)
+        loss = rows.sum() / (N * V)
+        loss.backward()
+        opt.step()
+        if mesh is not None:
+            torch_xla.sync()
+    return [p.detach().cpu() for p in model.parameters()]
+
+
+def _native_rows(hidden, item_weight, bias, targets, mesh):
+    from torch_cutbce.native import NativeCutBCERows
+
+    return NativeCutBCERows.apply(hidden, item_weight, bias, None, None, targets, BLOCK_V, False)
+
+
+def _sharded_rows(hidden, item_weight, bias, targets, mesh):
+    return xla_bridge.cut_bce_rows(hidden, item_weight, bias, None, None, targets, mesh=mesh, vocab_axis="model",
+                                data_axis="data", block_v=BLOCK_V, compute_metrics=False, backend="xla_blocked")
+
+
+def _measure_training(dump_dir):
+    from parity import relative_error
+
+    reference = _train("cpu", _native_rows)
+    shutil.rmtree(dump_dir, ignore_errors=True)
+    mesh = xs.Mesh(np.arange(4), (2, 2), ("data", "model"))
+    params = _train(torch_xla.device(), _sharded_rows, mesh)
+    errors = {f"param{i}": relative_error(a, b)[0] for i, (a, b) in enumerate(zip(params, reference))}
+    return {"errors": errors, "hlo": _hlo_facts(dump_dir)}
+
+
+def _measure_without_bias(inputs):
+    """A bias-free call; run before and after the bias ones, its cached lowering must still unflatten."""
+    from parity import relative_error
+    from torch_cutbce.native import NativeCutBCERows
+
+    h = inputs["hidden"].clone().requires_grad_(True)
+    rows, _ = NativeCutBCERows.apply(h, inputs["item_weight"], None, None, None, inputs["targets"], BLOCK_V, False)
+    (rows * inputs["upstream"]).sum().backward()
+    mesh = xs.Mesh(np.arange(4), (2, 2), ("data", "model"))
+    hx = inputs["hidden"].to(torch_xla.device()).requires_grad_(True)
+    rows_x, _ = xla_bridge.cut_bce_rows(
+        hx, inputs["item_weight"].to(hx.device), None, None, None, inputs["targets"].to(hx.device), mesh=mesh,
+        vocab_axis="model", data_axis="data", block_v=BLOCK_V, compute_metrics=False, backend="xla_blocked",
+    )
+    (rows_x * inputs["upstream"].to(hx.device)).sum().backward()
+    torch_xla.sync()
+    return {"errors": {"rows": relative_error(rows_x.detach().cpu(), rows.detach())[0],
+                       "d_hidden": relative_error(hx.grad.cpu(), h.grad)[0]}}
+
+
+def main(out_path: str, dump_dir: str) -> None:
+    xr.use_spmd()
+    assert xr.global_runtime_device_count() == 4, xr.global_runtime_device_count()
+    inputs = _inputs()
+    reference = _native(inputs)
+    report = {"sizes": {"N": N, "V": V, "D": D}}
+    _measure_without_bias(inputs)  # lowered first, hit again last, after the variants with bias
+    report["plain"] = _measure(_plain_rows, (2, 2), ("data", "model"), inputs, reference, dump_dir, 2)
+    for name, (mesh_shape, axis_names, vocab_axis, data_axis) in CASES.items():
+        def rows_fn(t, mesh, vocab_axis=vocab_axis, data_axis=data_axis):
+            return xla_bridge.cut_bce_rows(
+                t["hidden"], t["item_weight"], t["bias"], t["class_weight"], t["pos_weight"], t["targets"],
+                mesh=mesh, vocab_axis=vocab_axis, data_axis=data_axis, block_v=BLOCK_V, compute_metrics=True,
+                backend="xla_blocked",
+            )
+
+        shards = mesh_shape[axis_names.index(vocab_axis)]
+        report[name] = _measure(rows_fn, mesh_shape, axis_names, inputs, reference, dump_dir, shards)
+    report["train_2x2"] = _measure_training(dump_dir)
+    report["no_bias_after_bias"] = _measure_without_bias(inputs)
+    with open(out_path, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,165 @@
+"""`jax_kernels.sharded.cut_bce_sharded` on simulated meshes equals the single-device `cut_bce`.
+
+The multi-device checks need 8 CPU devices, fixed when JAX's backend starts, so they run once in a
+subprocess (`_sharded_worker.py`, launched with the device count set) and the tests here assert on
+its report: loss, metrics and every gradient on 1x8, 2x4 and 8x1 meshes (and 1-D, tuple-axis,
+caller-padded-table and Pallas-kernel layouts), V and N divisible by no shard count, every reduction,
+relative error <= 1e-5 (float32); the compiled HLO's collectives: the same count for block_v 64 and
+512, none inside a loop; and the Pallas version of the sharded step exported for TPU.
+The argument checks and a one-device mesh run in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import _sharded_worker as worker
+import jax_kernels
+from jax_kernels.sharded import ShardedLayout, cut_bce_sharded, infer_mesh
+from jax_kernels.core import CutBCEConfig
+from parity import TOLERANCES, assert_close
+
+TESTS = Path(__file__).resolve().parent
+TOL = TOLERANCES["float32"]
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sharded") / "report.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]))
+    env.pop("XLA_FLAGS", None)  # the worker sets its own device count
+    proc = subprocess.run(
+        [sys.executable, str(TESTS / "_sharded_worker.py"), str(out)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, f"worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("case", list(worker.CASES))
+def test_sharded_equals_single_device(report, case):
+    errors = report["cases"][case]["errors"]
+    spec = worker.CASES[case]
+    # loss, metrics, every gradient (and, for a padded table, its padding rows' gradients)
+    expected = 1 + len(worker.METRICS) + 2 + len([k for k in ("bias", "weight") if k in spec["options"]])
+    expected += (1 + ("bias" in spec["options"])) if spec["pad_rows"] else 0
+    assert len(errors) == len(spec["reductions"]) * expected, sorted(errors)
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= TOL, f"{case}: worst relative error {errors[worst]:.3g} at {worst}; all: {errors}"
+
+
+def test_mesh_inferred_from_named_shardings(report):
+    result = report["inference"]
+    assert result["concrete_mesh_inferred"]
+    for key in ("jit_loss", "jit_d_hidden", "jit_d_item_weight"):
+        assert result[key] <= TOL, result
+    assert result["d_item_weight_spec"] == "PartitionSpec('model',)"  # the table's gradient stays sharded
+
+
+def test_collectives_hoisted_out_of_the_tile_loop(report):
+    small, large = (report["hlo"][str(b)] for b in worker.HLO_BLOCKS)
+    # Both programs still loop over tiles (16 and 2 per shard), forward and backward.
+    assert small["while_loops"] >= 2 and large["while_loops"] >= 2, (small, large)
+    assert small["counts"] == large["counts"], (small["counts"], large["counts"])
+    assert small["in_loops"] == [] and large["in_loops"] == [], (small["in_loops"], large["in_loops"])
+    # Forward: rows+counts over 'model', the loss and the counts' sums over 'data'. Backward:
+    # d_hidden over 'model', d_item_weight and d_bias over 'data'. Never a gather of the table.
+    assert set(small["counts"]) == {"all-reduce"} and small["counts"]["all-reduce"] <= 6, small["counts"]
+    assert small["d_item_weight_spec"] == "PartitionSpec('model',)"
+
+
+def test_pallas_sharded_step_lowers_for_tpu_with_the_same_collectives(report):
+    """bf16, N = 8192 on a 2 x 4 mesh, V = 1e5 and 876,939 (held as 876,940 rows, num_items=V)."""
+    exported = report["tpu_export"]
+    for v, facts in exported.items():
+        # Forward kernel, d_hidden kernel, d_item kernel; their tile loops are the kernel grids.
+        assert facts["tpu_custom_calls"] == 3 and facts["while_loops"] == 0 and facts["devices"] == 8, (v, facts)
+    counts = {v: facts["all_reduces"] for v, facts in exported.items()}
+    # rows+counts, d_hidden, d_item_weight, d_bias: the shard_map's psums, whatever V is.
+    assert set(counts.values()) == {4}, counts
+
+
+def test_collective_finder_sees_collectives_inside_loops():
+    hlo = """
+%body (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %x = f32[4] all-reduce(%y), to_apply=%add
+}
+
+%cond (p: (s32[], f32[4])) -> pred[] {
+  %c = pred[] constant(true)
+}
+
+ENTRY %main (a: f32[4]) -> f32[4] {
+  %w = (s32[], f32[4]) while(%t), condition=%cond, body=%body
+  %z = f32[4] all-reduce(%a), to_apply=%add
+}
+"""
+    assert worker.collectives_in_loops(hlo) == ["body: all-reduce("]
+
+
+# In-process checks: JAX here has one CPU device, so a 1 x 1 mesh (the shard_map path itself).
+
+
+def _inputs(dtype=np.float32):
+    inputs = worker.make_inputs((5, 7), 53)
+    return {k: (v.astype(dtype) if v.dtype.kind == "f" else v) for k, v in inputs.items()}
+
+
+def test_one_device_mesh_float64_matches_cut_bce():
+    inputs = _inputs(np.float64)
+    mesh = jax.make_mesh((1, 1), ("data", "model"))
+    kwargs = dict(weight=inputs["weight"], class_weight=jnp.asarray(inputs["class_weight"]),
+                  pos_weight=jnp.asarray(inputs["pos_weight"]), reduction="none", return_metrics=True,
+                  block_v=8)
+    args = (inputs["hidden"], inputs["item_weight"], inputs["targets"], inputs["bias"])
+    upstream = np.random.default_rng(2).normal(size=inputs["targets"].shape[:-1])
+
+    def run(fn, **extra):
+        def scalar(h, e, b):
+            loss, metrics = fn(h, e, args[2], b, **kwargs, **extra)
+            return (loss * upstream).sum(), (loss, metrics)
+
+        (_, aux), grads = jax.jit(jax.value_and_grad(scalar, (0, 1, 2), has_aux=True))(args[0], args[1], args[3])
+        return aux, grads
+
+    (sharded_loss, sharded_metrics), sharded_grads = run(cut_bce_sharded, mesh=mesh, impl="blocked")
+    (loss, metrics), grads = run(jax_kernels.cut_bce, impl="blocked")
+    assert_close(sharded_loss, loss, dtype="float64", name="loss")
+    for name, a, b in zip(worker.METRICS, sharded_metrics, metrics):
+        assert_close(a, b, dtype="float32", name=name)
+    for name, a, b in zip(("d_hidden", "d_item_weight", "d_bias"), sharded_grads, grads):
+        assert_close(a, b, dtype="float64", name=name)
+
+
+def test_argument_errors():
+    inputs = _inputs()
+    args = (inputs["hidden"], inputs["item_weight"], inputs["targets"])
+    mesh = jax.make_mesh((1, 1), ("data", "model"))
+    with pytest.raises(ValueError, match="vocab_axis='vocab' is not an axis of the mesh"):
+        cut_bce_sharded(*args, mesh=mesh, vocab_axis="vocab")
+    with pytest.raises(ValueError, match="share mesh axes"):
+        cut_bce_sharded(*args, mesh=mesh, vocab_axis="model", data_axis=("data", "model"))
+    with pytest.raises(ValueError, match="no mesh"):
+        cut_bce_sharded(*args)
+    bad = inputs["targets"].copy()
+    bad[0, 0] = 53
+    with pytest.raises(ValueError, match="item id 53"):
+        cut_bce_sharded(args[0], args[1], bad, mesh=mesh)
+    with pytest.raises(ValueError, match="not an axis"):
+        ShardedLayout(mesh, "model", "batch", CutBCEConfig(block_v=8))
+
+
+def test_infer_mesh_reads_named_sharding_and_ignores_plain_arrays():
+    mesh = jax.make_mesh((1, 1), ("data", "model"))
+    placed = jax.device_put(np.ones((4, 2), np.float32), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("model")))
+    assert infer_mesh(None, placed) == mesh
+    assert infer_mesh(np.ones(3), jnp.ones(3)) is None

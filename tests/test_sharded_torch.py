@@ -1,0 +1,203 @@
+"""Sharded CutBCE from PyTorch: torch_xla SPMD on 4 CPU devices, and torch.distributed vocab parallelism.
+
+torch_xla: `_sharded_xla_worker.py` runs in a subprocess (PJRT_DEVICE=CPU, CPU_NUM_DEVICES=4,
+`use_spmd()` before any XLA tensor exists) and reports relative errors against the native path and
+facts read from the partitioned HLO, for the existing bridge and for the proposed sharded bridge.
+
+torch.distributed: three gloo ranks (torch.multiprocessing.spawn), each holding an uneven slice of
+a V = 301 table, against the single-process native path on the whole table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import torch_cutbce as tc
+from parity import TOLERANCES, assert_close
+from torch_cutbce.vocab_parallel import VocabParallelOptions, vocab_parallel_cut_bce
+
+TESTS = Path(__file__).resolve().parent
+TOL = TOLERANCES["float32"]
+# The worker's cases (not imported from it: it imports torch_xla, which the spawned ranks need not).
+XLA_CASES = ("sharded_1x4", "sharded_2x2")
+
+
+@pytest.fixture(scope="module")
+def xla_report(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("xla_sharded")
+    dump = tmp / "dump"
+    env = dict(
+        os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4",
+        XLA_FLAGS=f"--xla_dump_to={dump} --xla_dump_hlo_as_text",
+        PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]),
+        TORCH_CUTBCE_NO_COMPILE="1",  # the native reference: skip the tile compile (seconds per process)
+    )
+    proc = subprocess.run(
+        [sys.executable, str(TESTS / "_sharded_xla_worker.py"), str(tmp / "report.json"), str(dump)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, f"worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    return json.loads((tmp / "report.json").read_text())
+
+
+def _table_rows(shape):
+    """'f32[151,12]' -> 151."""
+    return int(shape.split("[")[1].split(",")[0])
+
+
+@pytest.mark.xla
+def test_existing_bridge_under_spmd_is_exact_but_gathers_the_table(xla_report):
+    plain = xla_report["plain"]
+    assert max(plain["errors"].values()) <= TOL, plain["errors"]
+    # The call_jax computation carries no sharding: the partitioner all-gathers the V-sharded table
+    # (302 = 301 padded to 2 shards) and every device loops over all of it.
+    sizes = xla_report["sizes"]
+    gathered = [_table_rows(s) for s in plain["hlo"]["gathered_shapes"] if s.endswith(f",{sizes['D']}]")]
+    assert gathered and max(gathered) >= sizes["V"], plain["hlo"]
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize("case", XLA_CASES)
+def test_sharded_bridge_under_spmd_is_exact_and_loops_over_local_items(xla_report, case):
+    result = xla_report[case]
+    worst = max(result["errors"], key=result["errors"].get)
+    assert result["errors"][worst] <= TOL, f"{case}: {worst} {result['errors']}"
+    hlo = result["hlo"]
+    assert hlo["modules"] == 1 and hlo["gathered_shapes"] == [], hlo  # forward + backward, one program, no gather
+    sizes = xla_report["sizes"]
+    shards = result["vocab_shards"]
+    table_rows = {_table_rows(s) for s in hlo["loop_shapes"] if s.endswith(f",{sizes['D']}]")}
+    assert -(-sizes["V"] // shards) in table_rows, hlo  # each device's tile loop reads only its slice
+    assert shards == 1 or max(table_rows) < sizes["V"], hlo
+    # Forward rows over the vocab axis, backward d_hidden over it and d_item_weight, d_bias over the data axis.
+    assert set(hlo["collectives"]) <= {"all-reduce"} and hlo["collectives"].get("all-reduce", 0) <= 4, hlo
+
+
+@pytest.mark.xla
+def test_training_steps_with_the_sharded_bridge_match_cpu(xla_report):
+    """5 Adam steps of a tied-table model (padding row 0, item_weight = rows 1..V) on a 2 x 2 mesh."""
+    result = xla_report["train_2x2"]
+    assert max(result["errors"].values()) <= TOL, result["errors"]
+    sizes, hlo = xla_report["sizes"], result["hlo"]
+    table_rows = {_table_rows(s) for s in hlo["loop_shapes"] if s.endswith(f",{sizes['D']}]")}
+    assert table_rows and max(table_rows) < sizes["V"], hlo  # the loss still loops over local slices only
+    gathered = [_table_rows(s) for s in hlo["gathered_shapes"] if s.endswith(f",{sizes['D']}]")]
+    assert not gathered, hlo  # the embedding lookup gathers ids, never the table
+
+
+@pytest.mark.xla
+def test_sharded_bridge_without_bias_after_calls_with_bias(xla_report):
+    """torch_xla 2.9's call_jax unflattens every cached variant with the latest trace's output tree."""
+    errors = xla_report["no_bias_after_bias"]["errors"]
+    assert max(errors.values()) <= TOL, errors
+
+
+# ---- torch.distributed vocabulary parallelism ----------------------------------------------
+
+WORLD = 3
+N_SHAPE, V, D, L = (3, 7), 301, 12, 5
+REDUCTIONS = ("none", "sum", "mean")
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    n = N_SHAPE[0] * N_SHAPE[1]
+    hidden = torch.randn(n, D, generator=g) * 2
+    hidden[2] *= 40
+    targets = torch.randint(-1, V, (n, L), generator=g)
+    targets[:, 1] = targets[:, 0]
+    targets[0] = -1
+    targets[1, :3] = V - 1
+    targets[3, :2] = torch.tensor([100, 101])  # either side of the first slice boundary (101 rows a rank)
+    return dict(
+        hidden=hidden.reshape(*N_SHAPE, D), item_weight=torch.randn(V, D, generator=g), bias=torch.randn(V, generator=g),
+        targets=targets.reshape(*N_SHAPE, L), weight=torch.rand(N_SHAPE, generator=g),
+        class_weight=torch.rand(V, generator=g) + 0.5, pos_weight=torch.rand(V, generator=g) * 3 + 0.25,
+    )
+
+
+def _upstream(reduction):
+    shape = N_SHAPE if reduction == "none" else ()
+    return torch.randn(shape, generator=torch.Generator().manual_seed(1))
+
+
+def _loss_and_grads(loss_fn, inputs, rows):
+    """For each reduction: loss, metrics and gradients of `sum(loss * upstream)`; `rows` slices the table."""
+    out = {}
+    for reduction in REDUCTIONS:
+        leaves = {k: inputs[k].clone().requires_grad_(True) for k in ("hidden", "weight")}
+        leaves.update({k: inputs[k][rows].clone().requires_grad_(True) for k in ("item_weight", "bias")})
+        loss, metrics = loss_fn(
+            leaves["hidden"], leaves["item_weight"], inputs["targets"], leaves["bias"], weight=leaves["weight"],
+            class_weight=inputs["class_weight"][rows], pos_weight=inputs["pos_weight"][rows],
+            reduction=reduction, return_metrics=True, block_v=16,
+        )
+        (loss * _upstream(reduction)).sum().backward()
+        out[reduction] = {"loss": loss.detach(), **metrics._asdict(), **{f"d_{k}": v.grad for k, v in leaves.items()}}
+    return out
+
+
+def _rank_main(rank, init_file, out_dir):
+    # Each rank is a fresh process: the eager tile functions spare it a torch.compile of its own.
+    os.environ["TORCH_CUTBCE_NO_COMPILE"] = "1"
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        torch.set_num_threads(1)
+        options = VocabParallelOptions.even(V)
+        loss_fn = lambda *a, **k: vocab_parallel_cut_bce(*a, options=options, **k)
+        result = _loss_and_grads(loss_fn, _inputs(), slice(options.start, options.stop))
+        torch.save({"options": (options.start, options.stop), "result": result}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vocab_parallel")
+    mp.spawn(_rank_main, args=(str(tmp / "init"), str(tmp)), nprocs=WORLD, join=True)
+    return [torch.load(tmp / f"rank{r}.pt") for r in range(WORLD)]
+
+
+def test_even_split_covers_the_table(ranks):
+    assert [r["options"] for r in ranks] == [(0, 101), (101, 202), (202, 301)]
+
+
+@pytest.fixture(scope="module")
+def single_process():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCH_CUTBCE_NO_COMPILE", "1")  # as on the ranks: the same eager tile math
+        return _loss_and_grads(tc.cut_bce_with_logits, _inputs(), slice(None))
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_vocab_parallel_equals_single_process(ranks, single_process, reduction):
+    reference = single_process[reduction]
+    for rank, r in enumerate(ranks):
+        got = r["result"][reduction]
+        # Replicated results: the loss, the metrics, d_hidden and d_weight are whole on every rank.
+        for key in ("loss", "tp", "fp", "fn", "tn", "d_hidden", "d_weight"):
+            assert_close(got[key], reference[key], dtype="float32", name=f"rank{rank}:{reduction}:{key}")
+    # The table's gradients: each rank holds its slice, and the slices tile the whole table.
+    for key in ("d_item_weight", "d_bias"):
+        joined = torch.cat([r["result"][reduction][key] for r in ranks])
+        assert_close(joined, reference[key], dtype="float32", name=f"{reduction}:{key}")
+    # all_reduce hands every rank the same bits.
+    assert all(torch.equal(r["result"][reduction]["loss"], ranks[0]["result"][reduction]["loss"]) for r in ranks)
+
+
+def test_options_are_validated():
+    with pytest.raises(ValueError, match="start < stop"):
+        VocabParallelOptions(5, 5, 10)
+    inputs = _inputs()
+    with pytest.raises(ValueError, match="item_weight holds 301 rows"):
+        vocab_parallel_cut_bce(inputs["hidden"], inputs["item_weight"], inputs["targets"],
+                               options=VocabParallelOptions(0, 100, V))

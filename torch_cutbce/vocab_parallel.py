@@ -1,0 +1,162 @@
+"""Vocabulary-parallel CutBCE over torch.distributed: each rank holds the item rows `[start, stop)`.
+
+For CPU/CUDA tensors and any backend (gloo, NCCL), in the manner of Apple CCE's
+`VocabParallelOptions`. Every rank of the group holds the same hidden states and the same global
+target ids, and its own slice of the item table (and of bias / class_weight / pos_weight). The loss
+is a sum over items, so each rank runs the native chunked Function (`native.NativeCutBCERows`) on its
+slice with ids shifted by `-start` (`positives.positive_slots` masks the ids of other ranks, so each
+positive is corrected on exactly one rank) and the partial rows are summed:
+
+    forward:  rows = all_reduce_sum(rows_local)            one all_reduce (rows and counts stacked)
+    backward: d_hidden = all_reduce_sum(d_hidden_local)    one all_reduce
+              d_item_weight, d_bias: local slices, no collective
+
+That is Megatron's pair of conjugate regions: "copy" (identity forward, all_reduce backward) where the
+hidden states enter, "reduce" (all_reduce forward, identity backward) where the rows leave. So every
+rank ends with the same loss, metrics and full `d_hidden`, and gradients only for its own item rows.
+The item-table slices are distinct parameters: do not average them with DDP over this group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from jax_kernels.shapes import check_arguments, default_block_v
+from torch_cutbce.functional import _check_constant, _spec
+from torch_cutbce.metrics import CutBCEMetrics
+from torch_cutbce.native import NativeCutBCERows
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabParallelOptions:
+    """This rank's share of the item table.
+
+    Attributes:
+      start, stop: the global item ids `[start, stop)` whose rows this rank holds.
+      num_items: the global V (for 'mean', which divides by N x V, and the id check).
+      group: the process group the table is split over (None: the default group).
+    """
+
+    start: int
+    stop: int
+    num_items: int
+    group: object = None
+
+    def __post_init__(self):
+        if not 0 <= self.start < self.stop <= self.num_items:
+            raise ValueError(f"need 0 <= start < stop <= num_items, got {self.start=}, {self.stop=}, {self.num_items=}")
+
+    @classmethod
+    def even(cls, num_items: int, group=None) -> "VocabParallelOptions":
+        """Contiguous slices of ceil(V / world) rows, the last one shorter (rank r gets slice r)."""
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        chunk = -(-num_items // world)
+        if chunk * (world - 1) >= num_items:
+            raise ValueError(f"V={num_items} items cannot give each of {world} ranks a non-empty slice of {chunk}")
+        return cls(rank * chunk, min((rank + 1) * chunk, num_items), num_items, group)
+
+
+class _CopyToRanks(torch.autograd.Function):
+    """Identity forward; the backward sums the ranks' partial gradients (each saw only its items)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """all_reduce forward; identity backward (every rank holds the same upstream gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _check_ids(targets: torch.Tensor, num_items: int) -> None:
+    # On CPU only, as cut_bce_with_logits does: anywhere else the check would sync with the device.
+    if targets.device.type == "cpu" and targets.numel() and int(targets.max()) >= num_items:
+        raise ValueError(f"targets holds item id {int(targets.max())}, but the table has only V={num_items} items")
+
+
+def vocab_parallel_cut_bce(
+    hidden: torch.Tensor,
+    item_weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    options: VocabParallelOptions,
+    weight: torch.Tensor | None = None,
+    class_weight: torch.Tensor | None = None,
+    pos_weight: torch.Tensor | None = None,
+    reduction: str = "mean",
+    return_metrics: bool = False,
+    block_v: int | None = None,
+):
+    """`cut_bce_with_logits` with the item table split over the ranks of `options.group`.
+
+    Same loss, metrics and `d_hidden` on every rank as `cut_bce_with_logits` on the whole table
+    (formula: `jax_kernels/reference.py`); two all_reduce calls per step (module docstring).
+
+    Args:
+      hidden: `[*S, D]`, the same on every rank of the group.
+      item_weight: `[stop - start, D]`: this rank's rows of the table.
+      targets: `[*S, L]` global item ids (negative = padding), the same on every rank.
+      bias, class_weight, pos_weight: this rank's slices `[stop - start]`, or None.
+      options: this rank's `VocabParallelOptions`.
+      weight, reduction, return_metrics, block_v: as in `cut_bce_with_logits` ('mean' divides by
+        N x `options.num_items`, the global V; block_v is the local tile width).
+
+    Returns:
+      The loss, or `(loss, CutBCEMetrics)`, identical on every rank.
+    """
+    local_items = options.stop - options.start
+    size = check_arguments(
+        _spec(hidden), _spec(item_weight), _spec(targets), _spec(bias), _spec(weight),
+        _spec(class_weight), _spec(pos_weight), reduction=reduction, block_v=block_v,
+    )
+    if size.num_items != local_items:
+        raise ValueError(f"item_weight holds {size.num_items} rows but options give [{options.start}, {options.stop})")
+    _check_constant("class_weight", class_weight)
+    _check_constant("pos_weight", pos_weight)
+    _check_ids(targets, options.num_items)
+    n = size.num_positions
+    block_v = min(block_v or default_block_v(n, local_items), local_items)
+    hidden = _CopyToRanks.apply(hidden.reshape(n, size.hidden_size), options.group)
+    # Negative padding ids stay negative; ids of other ranks fall outside [0, stop - start).
+    local_targets = targets.reshape(n, size.num_slots) - options.start
+    rows, counts = NativeCutBCERows.apply(
+        hidden, item_weight, bias, class_weight, pos_weight, local_targets, block_v, return_metrics
+    )
+    # One all_reduce: counts are integers below 2**24, exact in float32 and float64.
+    stacked = _SumOverRanks.apply(torch.cat([rows[None], counts.to(rows.dtype)]), options.group)
+    rows, counts = stacked[0], stacked[1:].detach().float()
+    if weight is not None:
+        rows = rows * weight.reshape(n).to(rows.dtype)
+        counts = counts * weight.detach().reshape(1, n).to(counts.dtype)
+    if reduction == "none":
+        loss = rows.reshape(size.lead_shape)
+    elif reduction == "sum":
+        loss = rows.sum()
+    else:
+        loss = rows.sum() / (n * options.num_items)
+    if not return_metrics:
+        return loss
+    if reduction == "none":
+        return loss, CutBCEMetrics(*counts).reshape(size.lead_shape)
+    return loss, CutBCEMetrics(*counts.sum(-1))
