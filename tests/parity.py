@@ -1,0 +1,262 @@
+"""The parity ladder's shared pieces: one `assert_close`, one tolerance table, the input generators.
+
+Framework-neutral: inputs are numpy float64 arrays whose values are already representable in the
+dtype under test (`select` rounds them), so the float64 oracle ("ground truth") sees exactly the
+numbers the fast path sees and only the computation's error is measured. `run_torch` / `run_jax`
+are the small adapters that turn those arrays into tensors, run a loss function with a random
+upstream gradient, and hand back numpy results keyed by name (loss, d_<input>, tp, fp, fn, tn).
+torch and jax are imported lazily, inside the adapters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import numpy as np
+
+# Relative error (max |fast - ref| / max |ref|) allowed per dtype. float64 and float32 compare the
+# fast path with the float64 oracle directly. bfloat16 follows Apple CCE's rule: the fast path's
+# error against float64 truth may exceed the dense reference's error in bfloat16 by at most this
+# (2e-3 ~ 2^-9, one bfloat16 rounding: the fast path returns its gradients in bfloat16).
+TOLERANCES = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 2e-3}
+DTYPES = tuple(TOLERANCES)
+REDUCTIONS = ("none", "sum", "mean")
+OPTIONAL = ("bias", "weight", "class_weight", "pos_weight")
+OPTION_SETS = {
+    "plain": (),
+    "bias": ("bias",),
+    "weight": ("weight",),
+    "class_weight": ("class_weight",),
+    "pos_weight": ("pos_weight",),
+    "all": OPTIONAL,
+}
+METRIC_NAMES = ("tp", "fp", "fn", "tn")
+_TINY = 1e-30
+
+
+def to_numpy(x) -> np.ndarray:
+    """A float64 numpy copy of a numpy / torch / JAX array (bfloat16 included)."""
+    if hasattr(x, "detach"):  # torch.Tensor, without importing torch
+        return x.detach().cpu().to(dtype=_torch().float64).numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
+def relative_error(fast, reference) -> tuple[float, tuple[int, ...]]:
+    """`(max |fast - reference| / max(max |finite reference|, tiny), index of the max)`.
+
+    Equal values (NaN and NaN, Inf and Inf included) differ by 0; NaN against a number is infinite.
+    """
+    fast, reference = to_numpy(fast), to_numpy(reference)
+    if fast.shape != reference.shape:
+        raise AssertionError(f"shape mismatch: fast {fast.shape} vs reference {reference.shape}")
+    if fast.size == 0:
+        return 0.0, ()
+    with np.errstate(invalid="ignore"):
+        diff = np.abs(fast - reference)
+    same = (fast == reference) | (np.isnan(fast) & np.isnan(reference))  # equal infinities too
+    diff = np.where(same, 0.0, np.where(np.isnan(diff), np.inf, diff))
+    index = np.unravel_index(int(np.argmax(diff)), diff.shape)
+    finite = np.abs(reference[np.isfinite(reference)])
+    scale = max(float(finite.max()) if finite.size else 0.0, _TINY)
+    return float(diff[index]) / scale, tuple(int(i) for i in index)
+
+
+def assert_close(fast, reference, truth=None, *, dtype: str, name: str) -> None:
+    """Asserts the parity rule for `dtype`; a mapping of results is checked key by key.
+
+    float64 / float32: relative_error(fast, reference) <= TOLERANCES[dtype] (reference = the
+    float64 oracle; `truth`, if given, is only printed). bfloat16: `reference` is the dense
+    reference run in bfloat16 and `truth` the float64 oracle; the rule is
+    relative_error(fast, truth) <= relative_error(reference, truth) + TOLERANCES['bfloat16'].
+    On failure the message has the max error, where it is, and the fast / reference / truth values.
+    """
+    tol = TOLERANCES[dtype]
+    if isinstance(fast, Mapping):
+        missing = set(reference) ^ set(fast)
+        assert not missing, f"{name}: results differ in keys {sorted(missing)}"
+        for key in reference:
+            sub_truth = None if truth is None else truth[key]
+            # Metric counts are float32 by contract (DESIGN.md, Metrics), whatever the input dtype.
+            sub_dtype = "float32" if key in METRIC_NAMES and dtype == "float64" else dtype
+            assert_close(fast[key], reference[key], sub_truth, dtype=sub_dtype, name=f"{name}:{key}")
+        return
+    fast_np, ref_np = to_numpy(fast), to_numpy(reference)
+    truth_np = None if truth is None else to_numpy(truth)
+    if dtype == "bfloat16":
+        if truth_np is None:
+            raise ValueError(f"{name}: the bfloat16 rule needs the float64 truth")
+        err, index = relative_error(fast_np, truth_np)
+        ref_err, _ = relative_error(ref_np, truth_np)
+        bound = ref_err + tol
+        rule = f"error vs float64 truth {err:.3e} > dense bfloat16 reference's {ref_err:.3e} + {tol:g}"
+    else:
+        err, index = relative_error(fast_np, ref_np)
+        bound = tol
+        rule = f"relative error {err:.3e} > {tol:g}"
+    if err <= bound:
+        return
+    values = [f"fast={fast_np[index]!r}", f"reference={ref_np[index]!r}"]
+    if truth_np is not None:
+        values.append(f"truth={truth_np[index]!r}")
+    raise AssertionError(f"{name} [{dtype}]: {rule} at index {index}: " + ", ".join(values))
+
+
+# -- inputs -----------------------------------------------------------------------------------
+
+
+def round_to_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
+    """The float64 array of the values `x` takes in `dtype` (round to nearest even)."""
+    x = np.asarray(x, dtype=np.float64)
+    if dtype == "float64":
+        return x.copy()
+    f32 = x.astype(np.float32)
+    if dtype == "float32":
+        return f32.astype(np.float64)
+    if dtype != "bfloat16":
+        raise ValueError(f"unknown dtype {dtype!r}")
+    bits = f32.view(np.uint32).astype(np.uint64)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def make_inputs(lead_shape, num_items, hidden_size, num_slots, *, seed=0, scale=1.0, large_logits=True):
+    """Random CutBCE inputs as float64 / int64 numpy arrays, with every awkward case built in.
+
+    Logits are about N(0, scale^2). Targets `[*S, L]` hold -1 padding spread through the rows, a
+    -7 padding id, duplicate ids, a row with no positives (row 0), a row repeating id V-1 (row 1).
+    With `large_logits` (and N >= 4): row N-1 has a positive whose logit is ~ +80 and negatives of
+    magnitude ~ 80/sqrt(D); row N-2 a positive at ~ -60; row N-3 logits ~ N(0, 40^2).
+    Options: bias ~ N(0, 0.5); weight in [0.5, 1.5] with zeros (masked positions);
+    class_weight in [0.5, 2] with zeros; pos_weight in [0.5, 3].
+    """
+    rng = np.random.default_rng(seed)
+    lead_shape = tuple(lead_shape)
+    n, v, d, slots = math.prod(lead_shape), num_items, hidden_size, num_slots
+    item_weight = rng.normal(size=(v, d)) / math.sqrt(d)
+    hidden = scale * rng.normal(size=(n, d))
+    targets = np.full((n, slots), -1, dtype=np.int64)
+    for row in range(n):
+        count = int(rng.integers(1, slots + 1))
+        targets[row, :count] = rng.integers(0, v, size=count)
+        if count >= 2 and row % 2 == 0:
+            targets[row, 1] = targets[row, 0]  # a duplicate: counts once
+        rng.shuffle(targets[row])  # padding between ids, not only at the end
+    if n > 2 and slots > 1:
+        targets[2, -1] = -7  # any negative id is padding
+    targets[0] = -1  # a row with no positives
+    if n > 1:
+        targets[1] = v - 1  # the last item, repeated
+    if large_logits and n >= 4:
+        for row, logit in ((n - 1, 80.0), (n - 2, -60.0)):
+            item = int(rng.integers(0, v))
+            targets[row, 0] = item
+            hidden[row] = logit * item_weight[item] / (item_weight[item] @ item_weight[item])
+        hidden[n - 3] *= 40.0 / scale
+    weight = rng.uniform(0.5, 1.5, size=n)
+    weight[2 : max(n - 3, 2) : 4] = 0.0  # masked positions, away from the large-logit rows
+    class_weight = rng.uniform(0.5, 2.0, size=v)
+    class_weight[3::7] = 0.0
+    return {
+        "hidden": hidden.reshape(*lead_shape, d),
+        "item_weight": item_weight,
+        "targets": targets.reshape(*lead_shape, slots),
+        "bias": rng.normal(scale=0.5, size=v),
+        "weight": weight.reshape(lead_shape),
+        "class_weight": class_weight,
+        "pos_weight": rng.uniform(0.5, 3.0, size=v),
+    }
+
+
+def select(inputs, options=OPTIONAL, dtype="float64"):
+    """hidden, item_weight, targets and the named options, float values rounded to `dtype`."""
+    names = ("hidden", "item_weight", "targets", *options)
+    return {k: inputs[k] if k == "targets" else round_to_dtype(inputs[k], dtype) for k in names}
+
+
+def make_upstream(reduction, lead_shape, *, seed=0, dtype="float64"):
+    """A random, non-uniform upstream gradient: shape S for 'none' (mixed signs), else a scalar."""
+    rng = np.random.default_rng(10_000 + seed)
+    shape = tuple(lead_shape) if reduction == "none" else ()
+    upstream = rng.normal(size=shape) + (0.0 if reduction == "none" else 1.5)
+    return round_to_dtype(upstream, dtype)
+
+
+# -- framework adapters -----------------------------------------------------------------------
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def torch_dtype(dtype: str):
+    return getattr(_torch(), dtype)
+
+
+def jax_dtype(dtype: str):
+    import jax.numpy as jnp
+
+    return getattr(jnp, dtype)
+
+
+def _collect(loss, metrics, grads):
+    results = {"loss": loss, **grads}
+    if metrics is not None:
+        results.update(zip(METRIC_NAMES, metrics))
+    return {k: to_numpy(x) for k, x in results.items()}
+
+
+def run_torch(fn, inputs, *, dtype, upstream, grad_names=("hidden", "item_weight", "bias", "weight"),
+              device="cpu", return_metrics=True, **kwargs):
+    """Runs `fn(hidden, item_weight, targets, bias, *, weight, class_weight, pos_weight, **kwargs)`.
+
+    Float inputs become `dtype` tensors on `device`; those in `grad_names` require grad and get
+    `d_<name>` from `torch.autograd.grad(loss, ..., grad_outputs=upstream)`.
+    """
+    torch = _torch()
+    tensors = {}
+    for key, value in inputs.items():
+        if key == "targets":
+            tensors[key] = torch.tensor(value, device=device)
+        else:
+            t = torch.tensor(value, dtype=torch.float64).to(device=device, dtype=torch_dtype(dtype))
+            tensors[key] = t.requires_grad_(key in grad_names)
+    out = fn(tensors["hidden"], tensors["item_weight"], tensors["targets"], tensors.get("bias"),
+             weight=tensors.get("weight"), class_weight=tensors.get("class_weight"),
+             pos_weight=tensors.get("pos_weight"), return_metrics=return_metrics, **kwargs)
+    loss, metrics = out if return_metrics else (out, None)
+    wrt = [k for k in tensors if tensors[k].requires_grad]
+    grads = {}
+    if wrt:
+        g = torch.tensor(upstream, dtype=torch.float64).to(device=device, dtype=loss.dtype)
+        values = torch.autograd.grad(loss, [tensors[k] for k in wrt], grad_outputs=g)
+        grads = {f"d_{k}": value for k, value in zip(wrt, values)}
+    return _collect(loss, metrics, grads)
+
+
+def run_jax(fn, inputs, *, dtype, upstream, grad_names=("hidden", "item_weight", "bias", "weight"),
+            return_metrics=True, **kwargs):
+    """The JAX twin of `run_torch`: gradients from `jax.vjp` with `upstream` as the cotangent.
+
+    Runs eagerly (pass a `jax.jit`-ed `fn` to test under jit): for the small shapes of the tests,
+    eager dispatch compiles less on CPU than one `jit` of the loss and its vjp.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    arrays = {k: jnp.asarray(v) if k == "targets" else jnp.asarray(v, dtype=jax_dtype(dtype))
+              for k, v in inputs.items()}
+    diff = {k: arrays.pop(k) for k in grad_names if k in arrays}
+
+    def loss_fn(diff_arrays):
+        a = {**arrays, **diff_arrays}
+        out = fn(a["hidden"], a["item_weight"], a["targets"], a.get("bias"), weight=a.get("weight"),
+                 class_weight=a.get("class_weight"), pos_weight=a.get("pos_weight"),
+                 return_metrics=return_metrics, **kwargs)
+        return out if return_metrics else (out, None)
+
+    loss, vjp, metrics = jax.vjp(loss_fn, diff, has_aux=True)
+    (cotangents,) = vjp(jnp.asarray(upstream, dtype=loss.dtype))
+    return _collect(loss, metrics, {f"d_{k}": value for k, value in cotangents.items()})
