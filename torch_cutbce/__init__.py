@@ -5,6 +5,7 @@ from torch_cutbce.metrics import CutBCEMetrics
 from torch_cutbce.module import CutBCEWithLogitsLoss
 from torch_cutbce.reference import dense_bce_with_logits
 from torch_cutbce.targets import ids_to_multi_hot, multi_hot_to_ids
+from torch_cutbce.topk import full_catalog_topk
 
 __version__ = "0.1.0"
 
@@ -14,6 +15,7 @@ __all__ = [
     "CutBCEWithLogitsLoss",
     "cut_bce_with_logits",
     "dense_bce_with_logits",
+    "full_catalog_topk",
     "ids_to_multi_hot",
     "multi_hot_to_ids",
 ]

@@ -1,0 +1,139 @@
+"""`full_catalog_topk`: the k best items of every position over the whole catalog, in vocabulary tiles.
+
+Full-catalog evaluation (HR@K, NDCG@K) needs the top-k of `hidden @ item_weight.T + bias`, a
+`[N, V]` score matrix that is as large as the logits the loss avoids (at V = 1e7 and N = 256 it is
+10 GiB in float32). This scores one `[N, block_v]` tile at a time and keeps a running top-k, so the
+extra memory is O(N x (block_v + k)) whatever V is.
+
+Ties are broken deterministically: among equal scores the lower item id ranks first (torch.topk
+makes no promise about ties, and untrained models or count-based baselines produce many). The
+result is therefore exactly the first k columns of a stable descending sort of the full score
+matrix. The selection uses masks and fixed shapes only (no `nonzero`), so it also runs on XLA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Default tile: a float32 [N, block_v] tile of about 16 MiB, as the loss uses.
+_TILE_BYTES = 16 * 2**20
+
+
+def _default_block_v(num_positions: int, num_items: int, k: int) -> int:
+    block_v = max(_TILE_BYTES // (4 * max(num_positions, 1)), 1024)
+    return max(min(block_v, num_items), k)
+
+
+def _exclude_in_tile(scores: torch.Tensor, exclude: torch.Tensor, start: int) -> torch.Tensor:
+    """Sets scores of excluded ids that fall in this tile to -inf, in place.
+
+    A fixed-shape scatter instead of a data-dependent gather: ids outside
+    `[start, start + width)` (and the -1 padding) are clamped onto some column but carry +inf, which
+    an `amin` scatter leaves without effect.
+    """
+    width = scores.shape[1]
+    local = exclude - start
+    inside = (local >= 0) & (local < width)
+    src = torch.where(inside, float("-inf"), float("inf")).to(scores.dtype)
+    return scores.scatter_reduce_(1, local.clamp(0, width - 1), src, reduce="amin")
+
+
+def _tile_topk(scores: torch.Tensor, k: int, check_ties: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k best columns of `scores` `[N, W]`, ties to the lower column, returned in column order.
+
+    torch.topk finds the right set unless the k-th largest value t of a row also occurs outside
+    it; then which of the columns equal to t it kept is unspecified. Everything above t is in; of
+    the columns equal to t, the first `k - #(> t)` by position must be in (a cumulative count picks
+    them), and a second topk over the distinct keys `W - column` of the chosen columns lists them.
+    That exact pass costs about three topk's, so on CPU/CUDA it runs only for tiles where such a
+    boundary tie occurs (rare with float scores; common in count-based baselines). On XLA, where
+    the check would be a host sync per tile, it always runs.
+    """
+    values, columns = torch.topk(scores, k, dim=1)
+    kth = values[:, -1:]
+    tied = scores == kth
+    if check_ties and not bool((tied.sum(1) > (values == kth).sum(1)).any()):
+        columns = columns.sort(dim=1).values  # column order, for the stable merge
+        return scores.gather(1, columns), columns
+    width = scores.shape[1]
+    need = k - (scores > kth).sum(1, keepdim=True, dtype=torch.int32)
+    chosen = (scores > kth) | (tied & (tied.to(torch.int32).cumsum(1, dtype=torch.int32) <= need))
+    key = torch.where(chosen, width - torch.arange(width, device=scores.device, dtype=torch.int32), 0)
+    columns = torch.topk(key, k, dim=1).indices  # ascending column order: the keys are distinct
+    return scores.gather(1, columns), columns
+
+
+def full_catalog_topk(
+    hidden: torch.Tensor,
+    item_weight: torch.Tensor,
+    k: int,
+    bias: torch.Tensor | None = None,
+    *,
+    block_v: int | None = None,
+    exclude: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k items of `hidden @ item_weight.T + bias` without building the `[N, V]` scores.
+
+    Args:
+      hidden: `[*S, D]` float (N = prod(S) positions).
+      item_weight: `[V, D]`, the item table used by the loss (same device).
+      k: how many items to return per position, 1 <= k <= V.
+      bias: `[V]` or None.
+      block_v: vocabulary tile width (default: a ~16 MiB float32 `[N, block_v]` tile); any value
+        >= 1 works, it need not divide V. Tiles narrower than k are widened to k.
+      exclude: `[*S, X]` integer item ids to leave out per position (the items a user has already
+        seen, say), padded with negative ids; ids >= V are ignored. Excluded items score -inf, so
+        they come last and appear in the result only when fewer than k items remain.
+
+    Returns:
+      `(scores, ids)`, each `[*S, k]`, best first; scores are float32 (float64 for float64
+      inputs). Equal scores rank by ascending item id, so the result equals the first k columns of
+      `torch.sort(scores, descending=True, stable=True)` on the materialized `[N, V]` scores.
+    """
+    if hidden.dim() < 1 or item_weight.dim() != 2 or hidden.shape[-1] != item_weight.shape[1]:
+        raise ValueError(
+            f"hidden must be [*S, D] and item_weight [V, D] with the same D, got shapes "
+            f"{tuple(hidden.shape)} and {tuple(item_weight.shape)}"
+        )
+    num_items = item_weight.shape[0]
+    if not 1 <= k <= num_items:
+        raise ValueError(f"k must be in [1, V={num_items}], got {k=}")
+    if block_v is not None and block_v < 1:
+        raise ValueError(f"block_v must be >= 1, got {block_v=}")
+    if bias is not None and tuple(bias.shape) != (num_items,):
+        raise ValueError(f"bias must have shape [V]=[{num_items}], got {tuple(bias.shape)}")
+    lead = tuple(hidden.shape[:-1])
+    h = hidden.reshape(-1, hidden.shape[-1])
+    if exclude is not None:
+        if exclude.is_floating_point() or tuple(exclude.shape[:-1]) != lead:
+            raise ValueError(
+                f"exclude must be integer ids of shape [*S, X] with S={lead}, got "
+                f"{tuple(exclude.shape)} {exclude.dtype}"
+            )
+        exclude = exclude.reshape(h.shape[0], -1).long()
+    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    h = h.to(acc)
+    block_v = max(block_v or _default_block_v(h.shape[0], num_items, k), k)
+
+    check_ties = h.device.type != "xla"
+    best_scores = best_ids = None
+    for start in range(0, num_items, block_v):
+        stop = min(start + block_v, num_items)
+        scores = h @ item_weight[start:stop].to(acc).T
+        if bias is not None:
+            scores = scores + bias[start:stop].to(acc)
+        if exclude is not None:
+            scores = _exclude_in_tile(scores, exclude, start)
+        tile_k = min(k, stop - start)
+        tile_scores, tile_cols = _tile_topk(scores, tile_k, check_ties)
+        tile_ids = tile_cols + start
+        if best_scores is None:
+            cand_scores, cand_ids = tile_scores, tile_ids
+        else:
+            # Earlier tiles hold lower ids and come first, so a stable sort keeps "lower id first"
+            # among equal scores across tiles too.
+            cand_scores = torch.cat([best_scores, tile_scores], dim=1)
+            cand_ids = torch.cat([best_ids, tile_ids], dim=1)
+        order = torch.sort(cand_scores, dim=1, descending=True, stable=True).indices[:, :k]
+        best_scores, best_ids = cand_scores.gather(1, order), cand_ids.gather(1, order)
+    return best_scores.reshape(*lead, k), best_ids.reshape(*lead, k)
