@@ -8,7 +8,7 @@ import torch
 
 from jax_kernels.shapes import ArraySpec, check_arguments, default_block_v
 from torch_cutbce.metrics import CutBCEMetrics
-from torch_cutbce.native import NativeCutBCERows
+from torch_cutbce.native import NativeCutBCELoss, NativeCutBCERows
 from torch_cutbce.reference import dense_bce_with_logits
 
 BACKENDS = ("auto", "native", "dense", "xla", "xla_blocked", "xla_pallas")
@@ -79,6 +79,9 @@ def cut_bce_with_logits(
     return_metrics: bool = False,
     block_v: int | None = None,
     backend: str = "auto",
+    mesh=None,
+    vocab_axis: str | tuple[str, ...] | None = "model",
+    data_axis: str | tuple[str, ...] | None = "data",
 ):
     """`BCEWithLogitsLoss(hidden @ item_weight.T + bias, multi_hot(targets))` without building the logits.
 
@@ -105,6 +108,11 @@ def cut_bce_with_logits(
         blocked JAX loop elsewhere), 'xla_blocked', 'xla_pallas' (Pallas kernels; in interpret
         mode when the XLA device is not a TPU).
 
+      mesh: a `torch_xla.distributed.spmd.Mesh` (device ids 0..n-1 in order) to run sharded under
+        torch_xla SPMD: each device loops over its slice of the item table (split along V on
+        `vocab_axis`) and its positions (split on `data_axis`); mark the tensors with
+        `xs.mark_sharding` to match. For CPU/CUDA tensors see `torch_cutbce.vocab_parallel`.
+
     Returns:
       The loss (float32; float64 for float64 inputs), or `(loss, CutBCEMetrics)`.
     """
@@ -113,6 +121,11 @@ def cut_bce_with_logits(
         _spec(class_weight), _spec(pos_weight), reduction=reduction, block_v=block_v,
     )
     backend = _resolve_backend(backend, hidden)
+    if mesh is not None and not backend.startswith("xla"):
+        raise ValueError(
+            f"mesh= runs under torch_xla SPMD and needs XLA tensors, got backend={backend!r}; "
+            f"for CPU/CUDA tensors split over processes use torch_cutbce.vocab_parallel"
+        )
     _check_devices(
         dict(hidden=hidden, item_weight=item_weight, targets=targets, bias=bias, weight=weight,
              class_weight=class_weight, pos_weight=pos_weight),
@@ -130,12 +143,22 @@ def cut_bce_with_logits(
     block_v = min(block_v or default_block_v(n, size.num_items), size.num_items)
     flat = (hidden.reshape(n, size.hidden_size), item_weight, bias, class_weight, pos_weight,
             targets.reshape(n, size.num_slots))
+    if backend == "native" and reduction != "none":
+        # Gradients computed during the forward (native.py); weight and reduction are applied inside.
+        divisor = 1 if reduction == "sum" else n * size.num_items
+        w = None if weight is None else weight.reshape(n)
+        loss, counts = NativeCutBCELoss.apply(
+            *flat[:3], w, *flat[3:], divisor, block_v, return_metrics, torch.is_grad_enabled())
+        return (loss, CutBCEMetrics(*counts)) if return_metrics else loss
     if backend == "native":
         rows, counts = NativeCutBCERows.apply(*flat, block_v, return_metrics)
     else:
         from torch_cutbce import xla_bridge  # the one module that imports torch_xla and jax
 
-        rows, counts = xla_bridge.cut_bce_rows(*flat, block_v=block_v, compute_metrics=return_metrics, backend=backend)
+        rows, counts = xla_bridge.cut_bce_rows(
+            *flat, block_v=block_v, compute_metrics=return_metrics, backend=backend,
+            mesh=mesh, vocab_axis=vocab_axis, data_axis=data_axis,
+        )
     if weight is not None:
         rows = rows * weight.reshape(n).to(rows.dtype)
         counts = counts * weight.detach().reshape(1, n).to(counts.dtype)

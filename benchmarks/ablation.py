@@ -1,0 +1,234 @@
+"""Before / after for each speed change of the native and JAX blocked paths (the numbers in NOTES.md).
+
+    .venv/bin/python benchmarks/ablation.py                  # N=4096 D=64 V=32768 float32, 5 rounds
+    .venv/bin/python benchmarks/ablation.py --threads 1 --rounds 3
+
+Three parts, each interleaved in one process (medians, and ratios to the part's first row):
+1. Tile functions, ns per logits element: the eager twin; torch.compile with torch.log1p; with the
+   polynomial log1p under inductor's default fusion thresholds; as shipped (polynomial, one loop).
+2. The native loss, forward + backward: the code before this work (commit 9e6b519, read with
+   `git show`), the recompute-in-backward Function with compiled tiles (reduction='none', summed),
+   gradients in the forward with eager tiles, and as shipped; against dense eager and mm_floor.
+3. The JAX blocked loop before (9e6b519) and after, forward and forward + backward, under jit.
+4. The native loss and mm_floor at tile widths 256 .. 4096 (the cache fit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import providers as P
+
+HERE = pathlib.Path(__file__).resolve().parent
+BEFORE = "9e6b519"  # the last commit before the speed work
+
+
+def load_before(path: str, name: str):
+    """The module at `path` as of commit BEFORE, imported under `name` (None if git cannot show it)."""
+    done = subprocess.run(["git", "show", f"{BEFORE}:{path}"], cwd=HERE, capture_output=True, text=True)
+    if done.returncode:
+        return None
+    file = pathlib.Path(tempfile.mkdtemp()) / f"{name}.py"
+    file.write_text(done.stdout)
+    spec = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def interleave(variants: dict, rounds: int) -> dict:
+    for fn in variants.values():
+        fn()  # first call: compiles
+    times = {k: [] for k in variants}
+    for _ in range(rounds):
+        for k, fn in variants.items():
+            start = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - start)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def report(title, medians, unit="ms", scale=1e3, per=1.0):
+    print(f"\n{title}")
+    first = next(iter(medians.values()))
+    for k, m in medians.items():
+        print(f"  {k:58s} {m * scale / per:9.2f} {unit}   x{first / m:5.2f} vs first row")
+
+
+def tile_part(shape, block_v, rounds):
+    import torch
+
+    from torch_cutbce import fused_tile
+
+    def log1p_rows_grad(z, cw, g, out):
+        e = torch.exp(-z.abs())
+        rows = ((torch.clamp_min(z, 0) + torch.log1p(e)) * cw).sum(-1)
+        out.copy_(torch.where(z >= 0, 1.0, e) / (1 + e) * (g * cw))
+        return rows
+
+    def in_place_rows_grad(z, cw, g):
+        e = torch.exp(-z.abs())
+        rows = ((torch.clamp_min(z, 0) + fused_tile._log1p_unit(e)) * cw).sum(-1)
+        z.copy_(torch.where(z >= 0, 1.0, e) / (1 + e) * (g * cw))
+        return rows
+
+    n = shape.num_positions
+    z = torch.randn(n, block_v) * 3
+    g, cw, out = torch.rand(n, 1), torch.ones(1, block_v), torch.empty(n, block_v)
+    options = {"cpp.threads": torch.get_num_threads()}
+    with_log1p = torch.compile(log1p_rows_grad, dynamic=True, fullgraph=True, options=options)
+    in_place = torch.compile(in_place_rows_grad, dynamic=True, fullgraph=True, options=options)
+    shipped = fused_tile._compiled("rows_grad", torch.get_num_threads())
+    z_scratch = z.clone()
+    variants = {
+        "eager twin (torch.log1p, in-place ops)": lambda: fused_tile._EAGER["rows_grad"](z.clone(), None, g, out),
+        "compiled, torch.log1p (Sleef)": lambda: with_log1p(z, cw, g, out),
+        "compiled, polynomial log1p, dz written back into z": lambda: in_place(z_scratch.copy_(z), cw, g),
+        "compiled, polynomial log1p, dz into a second buffer (shipped)": lambda: shipped(z, cw, g, out),
+    }
+    report(f"1a. rows_grad tile [{n}, {block_v}] float32, ns per element (rows 1 and 3 include a copy of z)",
+           interleave(variants, rounds), unit="ns/elem", scale=1e9, per=z.numel())
+    rows = fused_tile._compiled("rows", torch.get_num_threads())
+    variants = {
+        "eager twin (torch.log1p, in-place ops)": lambda: fused_tile._EAGER["rows"](z.clone(), None),
+        "compiled, polynomial log1p (shipped)": lambda: rows(z, cw),
+    }
+    report(f"1b. rows tile (forward only) [{n}, {block_v}] float32, ns per element",
+           interleave(variants, rounds), unit="ns/elem", scale=1e9, per=z.numel())
+
+
+def native_part(shape, block_v, rounds):
+    import torch
+
+    from torch_cutbce import cut_bce_with_logits
+
+    before = load_before("torch_cutbce/native.py", "native_before")
+    h0, e0, t0 = (torch.tensor(a) for a in P.make_numpy_inputs(shape))
+    n, v = shape.num_positions, shape.num_items
+
+    def step(loss_fn):
+        def run():
+            h, e = h0.clone().requires_grad_(), e0.clone().requires_grad_()
+            loss_fn(h, e).backward()
+        return run
+
+    def eager(h, e):
+        os.environ["TORCH_CUTBCE_NO_COMPILE"] = "1"
+        try:
+            return cut_bce_with_logits(h, e, t0, block_v=block_v)
+        finally:
+            del os.environ["TORCH_CUTBCE_NO_COMPILE"]
+
+    variants = {"dense_eager": P.setup("dense_eager", shape, "fwd+bwd").step}
+    if before is not None:
+        variants[f"before ({BEFORE}): recompute in backward, eager tiles"] = step(
+            lambda h, e: before.NativeCutBCERows.apply(h, e, None, None, None, t0, block_v, False)[0].sum() / (n * v))
+    variants["recompute in backward, compiled tiles"] = step(
+        lambda h, e: cut_bce_with_logits(h, e, t0, block_v=block_v, reduction="none").sum() / (n * v))
+    variants["gradients in forward, eager tiles"] = step(eager)
+    variants["gradients in forward, compiled tiles (shipped)"] = step(
+        lambda h, e: cut_bce_with_logits(h, e, t0, block_v=block_v))
+    variants["mm_floor (3 blocked matmuls)"] = P.setup("mm_floor", shape, "fwd+bwd", block_v=block_v).step
+    report(f"2. native loss, fwd+bwd, {shape.label()}, block_v={block_v}", interleave(variants, rounds))
+
+
+def block_part(shape, rounds, block_vs=(256, 512, 1024, 2048, 4096)):
+    """The native loss and mm_floor at several tile widths (tile = [N, block_v] float32, two buffers)."""
+    import torch
+
+    from torch_cutbce import cut_bce_with_logits
+
+    h0, e0, t0 = (torch.tensor(a) for a in P.make_numpy_inputs(shape))
+
+    def native(block_v):
+        def run():
+            h, e = h0.clone().requires_grad_(), e0.clone().requires_grad_()
+            cut_bce_with_logits(h, e, t0, block_v=block_v).backward()
+        return run
+
+    variants = {}
+    for block_v in block_vs:
+        mib = shape.num_positions * block_v * 4 / (1 << 20)
+        variants[f"native, block_v={block_v} ({mib:.0f} MiB tile)"] = native(block_v)
+        variants[f"mm_floor, block_v={block_v}"] = P.setup("mm_floor", shape, "fwd+bwd", block_v=block_v).step
+    report(f"4. tile width, fwd+bwd, {shape.label()}", interleave(variants, rounds))
+
+
+def jax_part(shape, block_v, rounds):
+    import jax
+    import jax.numpy as jnp
+
+    from jax_kernels import blocked
+
+    before = load_before("jax_kernels/blocked.py", "blocked_before")
+    h, e, _ = (jnp.asarray(a) for a in P.make_numpy_inputs(shape))
+    n, v = shape.num_positions, shape.num_items
+
+    def compiled(module, mode):
+        @jax.custom_vjp
+        def rows(h, e):
+            return module.blocked_background_forward(h, e, None, None, block_v=block_v, compute_counts=False)[0]
+
+        def rows_fwd(h, e):
+            return rows(h, e), (h, e)
+
+        def rows_bwd(res, g):
+            d_h, d_e, _ = module.blocked_background_backward(*res, None, None, g, block_v=block_v)
+            return d_h, d_e
+
+        rows.defvjp(rows_fwd, rows_bwd)
+
+        def loss(h, e):
+            return rows(h, e).sum() / (n * v)
+
+        fn = jax.jit(loss) if mode == "fwd" else jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+        c = fn.lower(h, e).compile()
+        return lambda: jax.block_until_ready(c(h, e))
+
+    variants = {}
+    for mode in ("fwd", "fwd+bwd"):
+        if before is not None:
+            variants[f"{mode}: before ({BEFORE}), log1p, masked sum"] = compiled(before, mode)
+        variants[f"{mode}: after, polynomial log1p, row sum as a dot"] = compiled(blocked, mode)
+    report(f"3. JAX blocked background (jit), {shape.label()}, block_v={block_v}", interleave(variants, rounds))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-positions", type=int, default=4096)
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--num-items", type=int, default=32768)
+    parser.add_argument("--block-v", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int)
+    parser.add_argument("--parts", nargs="+", default=["tile", "native", "jax", "blocks"],
+                        choices=["tile", "native", "jax", "blocks"])
+    args = parser.parse_args(argv)
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    shape = P.Shape(args.num_positions, args.hidden_size, args.num_items)
+    print(f"torch threads {torch.get_num_threads()}, {shape.label()}")
+    if "tile" in args.parts:
+        tile_part(shape, args.block_v, args.rounds)
+    if "native" in args.parts:
+        native_part(shape, args.block_v, args.rounds)
+    if "jax" in args.parts:
+        P.prepare(["jax_blocked"])
+        jax_part(shape, args.block_v, args.rounds)
+    if "blocks" in args.parts:
+        block_part(shape, args.rounds)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""The headline run: SASRec-like training steps over a 1,000,000-item catalog on a 2-core, 24 GiB CPU.
+
+    .venv/bin/python benchmarks/headline.py                      # B=64, S=200, D=64, V=1,000,000, 3 steps
+    .venv/bin/python benchmarks/headline.py --num-items 5000 --batch-size 4 --seq-len 20 --steps 2   # smoke
+
+A small SASRec: item embedding (tied with the output item table), learned positions, one causal
+pre-norm transformer layer, and full-catalog multi-label BCE: each position's targets are the next
+`--num-slots` items of its sequence (padding -1), every one of the V items scored. With CutBCE
+(`cut_bce_with_logits`, the native path) the step holds one `[N, block_v]` tile of logits; Adam
+updates the whole table. Printed: seconds per step, steps/s (the first step, which includes the
+first-call compile of the tile functions, is reported apart), losses, and the peak RSS of the process
+with its parts (parameters, gradients, Adam state).
+
+The dense loss (`BCEWithLogitsLoss(hidden @ E.T, multi_hot)`) needs, per step, the `[N, V]` float32
+logits, their gradient and the multi-hot target: at N = 12,800 and V = 1e6 that is 3 x 47.7 GiB
+before any temporary. It is attempted in a subprocess under RLIMIT_AS (its address space at start
++ --dense-limit-gib), so the failure is observed without taking the machine down.
+Appends a row to benchmarks/results/headline.csv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import math
+import os
+import pathlib
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from torch_cutbce import cut_bce_with_logits
+
+HERE = pathlib.Path(__file__).resolve().parent
+GIB, MIB = 1 << 30, 1 << 20
+
+
+class TinySASRec(nn.Module):
+    """Item + position embeddings, one causal transformer layer; the item table doubles as the output layer."""
+
+    def __init__(self, num_items: int, seq_len: int, hidden_size: int, num_heads: int = 2, dropout: float = 0.1):
+        super().__init__()
+        self.num_items = num_items
+        self.items = nn.Embedding(num_items + 1, hidden_size, padding_idx=num_items)  # id V = padding
+        self.positions = nn.Embedding(seq_len, hidden_size)
+        self.layer = nn.TransformerEncoderLayer(hidden_size, num_heads, 2 * hidden_size, dropout,
+                                                batch_first=True, norm_first=True)
+        self.norm = nn.LayerNorm(hidden_size)
+        nn.init.normal_(self.items.weight, std=hidden_size**-0.5)
+        self.register_buffer("causal", nn.Transformer.generate_square_subsequent_mask(seq_len), persistent=False)
+
+    def item_table(self) -> torch.Tensor:
+        return self.items.weight[: self.num_items]  # [V, D], a view: gradients reach the embedding
+
+    def forward(self, seq: torch.Tensor) -> torch.Tensor:
+        x = self.items(seq) + self.positions.weight[: seq.shape[1]]
+        x = self.layer(x, src_mask=self.causal[: seq.shape[1], : seq.shape[1]], is_causal=True)
+        return self.norm(x)  # [B, S, D]
+
+
+def synthetic_batch(batch_size, seq_len, num_items, num_slots, seed):
+    """Sequences of Zipf-popular items, left-padded; targets = the next `num_slots` items (-1 past the end)."""
+    g = torch.Generator().manual_seed(seed)
+    ranks = torch.arange(1, num_items + 1, dtype=torch.float64)
+    popularity = ranks.pow(-1.05)  # heavy head, long tail, as in real catalogs
+    full = torch.multinomial(popularity / popularity.sum(), batch_size * (seq_len + num_slots), replacement=True,
+                             generator=g).view(batch_size, seq_len + num_slots)
+    seq, future = full[:, :seq_len].clone(), full[:, 1:]
+    lengths = torch.randint(seq_len // 4, seq_len + 1, (batch_size,), generator=g)
+    pad = torch.arange(seq_len) < (seq_len - lengths)[:, None]  # left padding
+    seq[pad] = num_items
+    targets = torch.stack([future[:, k: k + seq_len] for k in range(num_slots)], dim=-1)  # [B, S, L]
+    targets[pad] = -1
+    return seq, targets, (~pad).to(torch.float32)
+
+
+def rss_mib(field="VmHWM") -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def dense_need_gib(num_positions, num_items) -> float:
+    """Logits + their gradient + the multi-hot target, float32, before any temporary."""
+    return 3 * num_positions * num_items * 4 / GIB
+
+
+def masked_loss(loss_fn, hidden, table, targets, mask, num_items):
+    # The per-position mean the recommender wants: sum_n mask[n] row[n] / V / sum_n mask[n].
+    return loss_fn(hidden, table, targets, mask) / (num_items * mask.sum().clamp_min(1))
+
+
+def cut_bce_loss(hidden, table, targets, mask):
+    return cut_bce_with_logits(hidden, table, targets, weight=mask, reduction="sum")
+
+
+def dense_loss(hidden, table, targets, mask):
+    logits = hidden @ table.T  # [B, S, V]
+    valid = targets >= 0
+    multi_hot = torch.zeros_like(logits).scatter_(-1, torch.where(valid, targets, 0), valid.to(logits.dtype))
+    return (F.binary_cross_entropy_with_logits(logits, multi_hot, reduction="none").sum(-1) * mask).sum()
+
+
+def train(args, loss_fn, steps):
+    torch.manual_seed(0)
+    model = TinySASRec(args.num_items, args.seq_len, args.hidden_size)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    seq, targets, mask = synthetic_batch(args.batch_size, args.seq_len, args.num_items, args.num_slots, seed=1)
+    losses, seconds = [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss = masked_loss(loss_fn, model(seq), model.item_table(), targets, mask, args.num_items)
+        loss.backward()
+        optimizer.step()
+        seconds.append(time.perf_counter() - start)
+        losses.append(loss.item())
+        print(f"  step {len(losses)}: loss {losses[-1]:.6f}  {seconds[-1]:.1f} s  peak RSS {rss_mib():.0f} MiB", flush=True)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return dict(losses=losses, seconds=seconds, params_mib=params / MIB)
+
+
+def dense_worker(args):
+    """One dense training step under RLIMIT_AS; prints a JSON line with the outcome."""
+    limit = int(rss_mib("VmSize") * MIB) + int(args.dense_limit_gib * GIB)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    try:
+        result = train(args, dense_loss, steps=1)
+        out = dict(status="ok", seconds=result["seconds"][0], loss=result["losses"][0])
+    except (RuntimeError, MemoryError) as error:
+        out = dict(status="failed", error=f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
+    out["peak_rss_mib"] = rss_mib()
+    print(json.dumps(out), flush=True)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-items", type=int, default=1_000_000)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--seq-len", type=int, default=200)
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--num-slots", type=int, default=3, help="targets per position: the next L items")
+    parser.add_argument("--steps", type=int, default=3, help="timed CutBCE steps after the first")
+    parser.add_argument("--dense-limit-gib", type=float, default=16.0,
+                        help="address space the dense attempt may add (its RLIMIT_AS)")
+    parser.add_argument("--skip-dense", action="store_true")
+    parser.add_argument("--out", type=pathlib.Path, default=HERE / "results" / "headline.csv")
+    parser.add_argument("--dense-worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.dense_worker:
+        dense_worker(args)
+        return 0
+    n = args.batch_size * args.seq_len
+    print(f"SASRec-like: B={args.batch_size} S={args.seq_len} (N={n}) D={args.hidden_size} V={args.num_items:,} "
+          f"L={args.num_slots}, float32, {torch.get_num_threads()} torch threads", flush=True)
+    print(f"dense [N, V] float32 logits: {n * args.num_items * 4 / GIB:.1f} GiB each; the dense step needs "
+          f">= {dense_need_gib(n, args.num_items):.1f} GiB (logits, their gradient, the multi-hot target)")
+
+    dense = dict(status="skipped")
+    if not args.skip_dense:
+        print(f"dense attempt (subprocess, RLIMIT_AS = start + {args.dense_limit_gib:g} GiB):", flush=True)
+        command = [sys.executable, __file__, "--dense-worker", "--num-items", str(args.num_items), "--batch-size",
+                   str(args.batch_size), "--seq-len", str(args.seq_len), "--hidden-size", str(args.hidden_size),
+                   "--num-slots", str(args.num_slots), "--dense-limit-gib", str(args.dense_limit_gib)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        dense = json.loads(lines[-1]) if lines else dict(status="failed", error=(done.stderr.strip().splitlines() or ["?"])[-1])
+        print(f"  dense: {dense}", flush=True)
+
+    print("CutBCE (native path):", flush=True)
+    result = train(args, cut_bce_loss, steps=1 + args.steps)
+    timed = result["seconds"][1:] or result["seconds"]
+    seconds_per_step = sum(timed) / len(timed)
+    params_mib = result["params_mib"]
+    peak = rss_mib()
+    summary = dict(
+        timestamp=datetime.datetime.now().isoformat(timespec="seconds"), num_positions=n, num_items=args.num_items,
+        hidden_size=args.hidden_size, num_slots=args.num_slots, threads=torch.get_num_threads(),
+        first_step_s=round(result["seconds"][0], 2), seconds_per_step=round(seconds_per_step, 2),
+        steps_per_s=round(1 / seconds_per_step, 5), peak_rss_mib=round(peak), params_mib=round(params_mib),
+        state_mib=round(4 * params_mib), loss_first=result["losses"][0], loss_last=result["losses"][-1],
+        dense_need_gib=round(dense_need_gib(n, args.num_items), 1), dense_status=dense.get("status"),
+        dense_error=dense.get("error", ""), dense_loss_first=dense.get("loss"),
+    )
+    print(f"\nCutBCE: {seconds_per_step:.1f} s/step ({1 / seconds_per_step:.4f} steps/s) over {len(timed)} steps; "
+          f"first step {result['seconds'][0]:.1f} s (includes compiling the tile functions)")
+    print(f"peak RSS {peak:.0f} MiB; of it parameters {params_mib:.0f} MiB, + gradients and Adam's two moments "
+          f"{3 * params_mib:.0f} MiB; losses {result['losses'][0]:.6f} -> {result['losses'][-1]:.6f}")
+    print(f"dense: needs >= {summary['dense_need_gib']} GiB; attempt: {dense.get('status')} {dense.get('error', '')}")
+    if dense.get("status") == "ok":  # small shapes: the same first loss both ways (same seed, same batch)
+        print(f"first-step loss: dense {dense['loss']:.6f}, CutBCE {result['losses'][0]:.6f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    new = not args.out.exists()
+    with args.out.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(summary))
+        if new:
+            writer.writeheader()
+        writer.writerow(summary)
+    print(f"appended to {args.out}")
+    return 0 if all(math.isfinite(x) for x in result["losses"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
