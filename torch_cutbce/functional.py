@@ -159,17 +159,26 @@ def cut_bce_with_logits(
             *flat, block_v=block_v, compute_metrics=return_metrics, backend=backend,
             mesh=mesh, vocab_axis=vocab_axis, data_axis=data_axis,
         )
+    return reduce_rows(rows, counts, weight, reduction, size.lead_shape, size.num_items, return_metrics)
+
+
+def reduce_rows(rows, counts, weight, reduction, lead_shape, num_items, return_metrics):
+    """Per-position rows `[N]` and counts `[4, N]` -> the loss (and `CutBCEMetrics`) of a reduction.
+
+    The position weight multiplies here, in plain torch, so autograd gives `weight` its gradient.
+    """
+    n = rows.shape[0]
     if weight is not None:
         rows = rows * weight.reshape(n).to(rows.dtype)
         counts = counts * weight.detach().reshape(1, n).to(counts.dtype)
     if reduction == "none":
-        loss = rows.reshape(size.lead_shape)
+        loss = rows.reshape(lead_shape)
     elif reduction == "sum":
         loss = rows.sum()
     else:
-        loss = rows.sum() / (n * size.num_items)
+        loss = rows.sum() / (n * num_items)
     if not return_metrics:
         return loss
     if reduction == "none":
-        return loss, CutBCEMetrics(*counts).reshape(size.lead_shape)
+        return loss, CutBCEMetrics(*counts).reshape(lead_shape)
     return loss, CutBCEMetrics(*counts.sum(-1))

@@ -25,8 +25,7 @@ import torch
 import torch.distributed as dist
 
 from jax_kernels.shapes import check_arguments, default_block_v
-from torch_cutbce.functional import _check_constant, _spec
-from torch_cutbce.metrics import CutBCEMetrics
+from torch_cutbce.functional import _check_constant, _spec, reduce_rows
 from torch_cutbce.native import NativeCutBCERows
 
 
@@ -146,17 +145,4 @@ def vocab_parallel_cut_bce(
     # One all_reduce: counts are integers below 2**24, exact in float32 and float64.
     stacked = _SumOverRanks.apply(torch.cat([rows[None], counts.to(rows.dtype)]), options.group)
     rows, counts = stacked[0], stacked[1:].detach().float()
-    if weight is not None:
-        rows = rows * weight.reshape(n).to(rows.dtype)
-        counts = counts * weight.detach().reshape(1, n).to(counts.dtype)
-    if reduction == "none":
-        loss = rows.reshape(size.lead_shape)
-    elif reduction == "sum":
-        loss = rows.sum()
-    else:
-        loss = rows.sum() / (n * options.num_items)
-    if not return_metrics:
-        return loss
-    if reduction == "none":
-        return loss, CutBCEMetrics(*counts).reshape(size.lead_shape)
-    return loss, CutBCEMetrics(*counts.sum(-1))
+    return reduce_rows(rows, counts, weight, reduction, size.lead_shape, options.num_items, return_metrics)
