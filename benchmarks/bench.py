@@ -243,7 +243,7 @@ def append_csv(path: pathlib.Path, records):
 
 # -- driver ----------------------------------------------------------------------------------------
 
-FULL = dict(time_v=[16384, 32768, 131072], memory_v=[16384, 32768, 65536, 131072, 262144, 1048576],
+FULL = dict(time_v=[16384, 32768, 65536, 131072], memory_v=[16384, 32768, 65536, 131072, 262144, 1048576],
             num_positions=4096, hidden_size=64, repeats=5)
 QUICK = dict(time_v=[1024, 4096], memory_v=[4096], num_positions=256, hidden_size=16, repeats=2,
              providers=["dense_eager", "native", "jax_blocked", "xla_bridge", "xla_dense", "mm_floor"],

@@ -7,9 +7,9 @@ A small SASRec: item embedding (tied with the output item table), learned positi
 pre-norm transformer layer, and full-catalog multi-label BCE: each position's targets are the next
 `--num-slots` items of its sequence (padding -1), every one of the V items scored. With CutBCE
 (`cut_bce_with_logits`, the native path) the step holds one `[N, block_v]` tile of logits; Adam
-updates the whole table. Printed: seconds per step, steps/s (the first step, which includes the
-first-call compile of the tile functions, is reported apart), losses, and the peak RSS of the process
-with its parts (parameters, gradients, Adam state).
+updates the whole table. Printed: seconds per step (median of the steps after the first, which
+includes the first calls of the compiled tile functions and is reported apart), steps/s, losses,
+and the peak RSS of the process with its parts (parameters, gradients, Adam state).
 
 The dense loss (`BCEWithLogitsLoss(hidden @ E.T, multi_hot)`) needs, per step, the `[N, V]` float32
 logits, their gradient and the multi-hot target: at N = 12,800 and V = 1e6 that is 3 x 47.7 GiB
@@ -28,6 +28,7 @@ import math
 import os
 import pathlib
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -36,7 +37,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from torch_cutbce import cut_bce_with_logits
+from torch_cutbce import cut_bce_with_logits, fused_tile
 
 HERE = pathlib.Path(__file__).resolve().parent
 GIB, MIB = 1 << 30, 1 << 20
@@ -179,20 +180,23 @@ def main(argv=None):
     print("CutBCE (native path):", flush=True)
     result = train(args, cut_bce_loss, steps=1 + args.steps)
     timed = result["seconds"][1:] or result["seconds"]
-    seconds_per_step = sum(timed) / len(timed)
+    seconds_per_step = statistics.median(timed)
+    compile_s = sum(fused_tile.compile_seconds().values())
     params_mib = result["params_mib"]
     peak = rss_mib()
     summary = dict(
         timestamp=datetime.datetime.now().isoformat(timespec="seconds"), num_positions=n, num_items=args.num_items,
         hidden_size=args.hidden_size, num_slots=args.num_slots, threads=torch.get_num_threads(),
-        first_step_s=round(result["seconds"][0], 2), seconds_per_step=round(seconds_per_step, 2),
+        first_step_s=round(result["seconds"][0], 2), compile_s=round(compile_s, 2),
+        step_seconds=" ".join(f"{x:.1f}" for x in timed), seconds_per_step=round(seconds_per_step, 2),
         steps_per_s=round(1 / seconds_per_step, 5), peak_rss_mib=round(peak), params_mib=round(params_mib),
         state_mib=round(4 * params_mib), loss_first=result["losses"][0], loss_last=result["losses"][-1],
         dense_need_gib=round(dense_need_gib(n, args.num_items), 1), dense_status=dense.get("status"),
         dense_error=dense.get("error", ""), dense_loss_first=dense.get("loss"),
     )
-    print(f"\nCutBCE: {seconds_per_step:.1f} s/step ({1 / seconds_per_step:.4f} steps/s) over {len(timed)} steps; "
-          f"first step {result['seconds'][0]:.1f} s (includes compiling the tile functions)")
+    print(f"\nCutBCE: median {seconds_per_step:.1f} s/step ({1 / seconds_per_step:.4f} steps/s) over {len(timed)} steps "
+          f"after the first; first step {result['seconds'][0]:.1f} s, of which {compile_s:.1f} s in the tile "
+          f"functions' first calls (compile, or a load from inductor's disk cache)")
     print(f"peak RSS {peak:.0f} MiB; of it parameters {params_mib:.0f} MiB, + gradients and Adam's two moments "
           f"{3 * params_mib:.0f} MiB; losses {result['losses'][0]:.6f} -> {result['losses'][-1]:.6f}")
     print(f"dense: needs >= {summary['dense_need_gib']} GiB; attempt: {dense.get('status')} {dense.get('error', '')}")

@@ -83,6 +83,18 @@ def dense_bytes(provider: str, shape: Shape) -> int:
     return DENSE_ARRAYS.get(provider, 0) * shape.num_positions * shape.num_items * 4
 
 
+_cache: dict = {}
+
+
+def _cached(key, build):
+    """One shape's inputs at a time, shared by every provider and mode of that shape (saves N x V bytes)."""
+    if key not in _cache:
+        for old in [k for k in _cache if k[1] != key[1]]:
+            del _cache[old]
+        _cache[key] = build()
+    return _cache[key]
+
+
 def make_numpy_inputs(shape: Shape, seed: int = 0):
     """hidden [N, D], item_weight [V, D], targets [N, L] int64 with padding and duplicates (numpy).
 
@@ -169,7 +181,7 @@ def setup(provider: str, shape: Shape, mode: str, *, block_v: int | None = None)
     from jax_kernels.shapes import default_block_v
 
     block_v = block_v or default_block_v(shape.num_positions, shape.num_items)
-    arrays = make_numpy_inputs(shape)
+    arrays = _cached(("numpy", shape), lambda: make_numpy_inputs(shape))
     if provider in ("dense_eager", "dense_compile", "native", "mm_floor"):
         case = _setup_cpu(provider, shape, mode, arrays, block_v)
     elif provider in ("xla_bridge", "xla_dense"):
@@ -190,7 +202,7 @@ def _setup_cpu(provider, shape, mode, arrays, block_v) -> Case:
         return _torch_case(shape, mode, lambda a, b, t: cut_bce_with_logits(a, b, t, block_v=block_v), (h, e, targets), "cpu")
     if provider == "mm_floor":
         return _mm_floor_case(shape, mode, h.detach(), e.detach(), block_v)
-    multi_hot = _multi_hot(targets, shape.num_items)
+    multi_hot = _cached(("multi_hot", shape), lambda: _multi_hot(targets, shape.num_items))
     loss_fn = _dense_loss if provider == "dense_eager" else torch.compile(_dense_loss, dynamic=False)
     return _torch_case(shape, mode, loss_fn, (h, e, multi_hot), "cpu")
 
