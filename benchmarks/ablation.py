@@ -9,7 +9,8 @@ Three parts, each interleaved in one process (medians, and ratios to the part's 
 2. The native loss, forward + backward: the code before this work (commit 9e6b519, read with
    `git show`), the recompute-in-backward Function with compiled tiles (reduction='none', summed),
    gradients in the forward with eager tiles, and as shipped; against dense eager and mm_floor.
-3. The JAX blocked loop before (9e6b519) and after, forward and forward + backward, under jit.
+3. The JAX blocked loop before (9e6b519) and after, forward and forward + backward, under jit;
+   and the scalar reductions' one-pass loop (gradients in the forward).
 4. The native loss and mm_floor at tile widths 256 .. 4096 (the cache fit).
 """
 
@@ -193,11 +194,28 @@ def jax_part(shape, block_v, rounds):
         c = fn.lower(h, e).compile()
         return lambda: jax.block_until_ready(c(h, e))
 
+    def fused():
+        """The background of the scalar reductions: gradients computed in the forward, scaled in the backward."""
+        @jax.custom_vjp
+        def loss(h, e):
+            return blocked.blocked_background_forward(h, e, None, None, block_v=block_v, compute_counts=False)[0].sum() / (n * v)
+
+        def loss_fwd(h, e):
+            g = jnp.full((n,), 1 / (n * v), h.dtype)
+            rows, _, d_h, d_e, _ = blocked.blocked_background_value_and_grad(h, e, None, None, g, block_v=block_v,
+                                                                             compute_counts=False)
+            return rows.sum() / (n * v), (d_h, d_e)
+
+        loss.defvjp(loss_fwd, lambda res, ct: (res[0] * ct, res[1] * ct))
+        c = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(h, e).compile()
+        return lambda: jax.block_until_ready(c(h, e))
+
     variants = {}
     for mode in ("fwd", "fwd+bwd"):
         if before is not None:
             variants[f"{mode}: before ({BEFORE}), log1p, masked sum"] = compiled(before, mode)
-        variants[f"{mode}: after, polynomial log1p, row sum as a dot"] = compiled(blocked, mode)
+        variants[f"{mode}: polynomial log1p, row sum as a dot{' (shipped)' if mode == 'fwd' else ''}"] = compiled(blocked, mode)
+    variants["fwd+bwd: + gradients in the forward, one exp (shipped for mean/sum)"] = fused()
     report(f"3. JAX blocked background (jit), {shape.label()}, block_v={block_v}", interleave(variants, rounds))
 
 

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_kernels.core import CutBCEConfig, cut_bce_rows
+from jax_kernels.core import CutBCEConfig, cut_bce_rows, cut_bce_weighted_sum
+from jax_kernels.positives import accumulation_dtype
 from jax_kernels.reference import reduce_rows
 from jax_kernels.shapes import ArraySpec, check_arguments, default_block_v
 
@@ -42,6 +43,14 @@ def _check_ids_below_vocab(targets, num_items):
     largest = int(np.max(np.asarray(targets))) if targets.size else -1
     if largest >= num_items:
         raise ValueError(f"targets holds item id {largest}, but item_weight has only V={num_items} items (ids must be < V)")
+
+
+def _row_weight(weight, reduction, num_positions, num_items, dtype):
+    """Each row's factor in the scalar loss: weight (or 1), divided by N V for 'mean' (as reduce_rows)."""
+    acc = accumulation_dtype(dtype)
+    w = jnp.ones((num_positions,), acc) if weight is None else weight.reshape(num_positions).astype(acc)
+    # A Python float: N * V overflows int32 under jit without x64.
+    return w / float(num_positions * num_items) if reduction == "mean" else w
 
 
 def cut_bce(
@@ -113,8 +122,7 @@ def cut_bce(
         block_sizes=block_sizes,
     )
     n = size.num_positions
-    rows, counts = cut_bce_rows(
-        config,
+    operands = (
         hidden.reshape(n, size.hidden_size),
         item_weight,
         targets.reshape(n, size.num_slots),
@@ -122,10 +130,16 @@ def cut_bce(
         class_weight,
         jax.lax.stop_gradient(pos_weight) if pos_weight is not None else None,
     )
+    if reduction != "none" and config.impl == "blocked":
+        # A scalar loss: gradients computed during the forward (core.cut_bce_weighted_sum).
+        loss, counts = cut_bce_weighted_sum(config, *operands, _row_weight(weight, reduction, n, size.num_items, hidden.dtype))
+    else:
+        rows, counts = cut_bce_rows(config, *operands)
+        if weight is not None:
+            rows = rows * weight.reshape(n).astype(rows.dtype)
+        loss = reduce_rows(rows, reduction, size.num_items).reshape(size.lead_shape if reduction == "none" else ())
     if weight is not None:
-        rows = rows * weight.reshape(n).astype(rows.dtype)
         counts = counts * weight.reshape(1, n).astype(counts.dtype)
-    loss = reduce_rows(rows, reduction, size.num_items).reshape(size.lead_shape if reduction == "none" else ())
     if not return_metrics:
         return loss
     if reduction == "none":

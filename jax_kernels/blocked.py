@@ -5,10 +5,13 @@ Computes only the background half of the fused form (positives.py has the other 
     row_bg[n]  = sum_v cw[v] softplus(z[n, v])            count_pos[n] = #{v : z[n, v] > 0}
     dz[n, v]   = g[n] cw[v] sigmoid(z[n, v])               (backward, recomputing z per tile)
 
+Three loops: forward; backward (recomputes each tile: four matmuls per tile in all); and
+forward-with-gradient for a row gradient `g` known up front (scalar reductions: three matmuls).
+
 Ragged last tile without padding the table: tile j starts at min(j * block_v, V - block_v), so the
 last tile is shifted back to end exactly at V; its columns below j * block_v were covered by tile
-j - 1 and are masked out. Gradients of the table are added (not written) into the `[V, D]`
-accumulator, so the masked overlap adds zeros.
+j - 1 and are masked out. Gradients of the table are added (not written) into the accumulator
+(kept transposed, `[D, V]`, see `_add_columns`), so the masked overlap adds zeros.
 
 Precision: logits, softplus, sigmoid and every sum run in float32 (float64 for float64 inputs);
 bfloat16 tiles are upcast before the matmul, so this path is at least as accurate as a bf16 MXU.
@@ -37,11 +40,19 @@ def _log1p_unit(e):
     return 2 * t * (1.0000000038619887 + s * p)
 
 
-def _softplus(z):
-    """max(z, 0) + log1p(exp(-|z|)); log1p is the polynomial above unless z is float64."""
-    e = jnp.exp(-jnp.abs(z))
+def _softplus(z, e=None):
+    """max(z, 0) + log1p(exp(-|z|)); log1p is the polynomial above unless z is float64.
+
+    `e = exp(-|z|)` may be passed in, to share one exponential with `_sigmoid`.
+    """
+    e = jnp.exp(-jnp.abs(z)) if e is None else e
     tail = jnp.log1p(e) if z.dtype == jnp.float64 else _log1p_unit(e)
     return jnp.maximum(z, 0) + tail
+
+
+def _sigmoid(z, e):
+    """sigmoid(z) from `e = exp(-|z|)`: 1 / (1 + e) for z >= 0, e / (1 + e) below (never overflows)."""
+    return jnp.where(z >= 0, 1, e) / (1 + e)
 
 
 def _tile(hidden_acc, item_weight, bias, class_weight, j, block_v):
@@ -60,6 +71,12 @@ def _tile(hidden_acc, item_weight, bias, class_weight, j, block_v):
     return z, w, start, items
 
 
+def _count_positive(z, start, j, block_v):
+    """Per row, the logits > 0 of tile j; counts skip only the overlapped columns, not items whose class_weight is 0."""
+    fresh = start + jnp.arange(block_v) >= j * block_v
+    return ((z > 0) & fresh).astype(jnp.float32).sum(-1)
+
+
 def _num_tiles(num_items, block_v):
     return -(-num_items // block_v)
 
@@ -76,14 +93,51 @@ def blocked_background_forward(hidden, item_weight, bias, class_weight, *, block
         z, w, start, _ = _tile(h, item_weight, bias, class_weight, j, block_v)
         loss = loss + _softplus(z) @ w  # a matrix-vector product: the masked, weighted row sum
         if compute_counts:
-            # Counts skip only the overlapped columns, not items whose class_weight is 0.
-            fresh = start + jnp.arange(block_v) >= j * block_v
-            count = count + ((z > 0) & fresh).astype(jnp.float32).sum(-1)
+            count = count + _count_positive(z, start, j, block_v)
         return loss, count
 
     init = (jnp.zeros((n,), acc), jnp.zeros((n,), jnp.float32))
     loss, count = lax.fori_loop(0, _num_tiles(item_weight.shape[0], block_v), body, init)
     return loss, (count if compute_counts else None)
+
+
+def blocked_background_value_and_grad(hidden, item_weight, bias, class_weight, g, *, block_v: int, compute_counts: bool):
+    """Forward and backward in one loop, for an upstream gradient `g [N]` known before the forward.
+
+    A scalar loss `sum_n g[n] rows[n]` (reductions 'mean' and 'sum') knows its row gradient up
+    front, so each logit tile is computed once and serves softplus and sigmoid from one exponential:
+    three matmuls per tile instead of the four of forward + backward. Returns
+    `(row_bg, count_pos or None, d_hidden, d_item_weight, d_bias or None)` in the accumulation dtype.
+    """
+    acc = accumulation_dtype(hidden.dtype)
+    block_v = min(block_v, item_weight.shape[0])
+    h = hidden.astype(acc)
+    g = g.astype(acc)
+    n = hidden.shape[0]
+
+    def body(j, carry):
+        loss, count, d_hidden, d_items_t, d_bias = carry
+        z, w, start, items = _tile(h, item_weight, bias, class_weight, j, block_v)
+        e = jnp.exp(-jnp.abs(z))
+        loss = loss + _softplus(z, e) @ w
+        if compute_counts:
+            count = count + _count_positive(z, start, j, block_v)
+        dz = g[:, None] * _sigmoid(z, e) * w
+        d_hidden = d_hidden + dz @ items
+        d_items_t = _add_columns(d_items_t, h.T @ dz, start)
+        if d_bias is not None:
+            d_bias = _add_columns(d_bias, dz.sum(0), start)
+        return loss, count, d_hidden, d_items_t, d_bias
+
+    init = (
+        jnp.zeros((n,), acc),
+        jnp.zeros((n,), jnp.float32),
+        jnp.zeros(hidden.shape, acc),
+        _zeros_transposed(item_weight.shape, acc),
+        None if bias is None else jnp.zeros(bias.shape, acc),
+    )
+    loss, count, d_hidden, d_items_t, d_bias = lax.fori_loop(0, _num_tiles(item_weight.shape[0], block_v), body, init)
+    return loss, (count if compute_counts else None), d_hidden, d_items_t.T, d_bias
 
 
 def blocked_background_backward(hidden, item_weight, bias, class_weight, g, *, block_v: int):
@@ -94,23 +148,36 @@ def blocked_background_backward(hidden, item_weight, bias, class_weight, g, *, b
     g = g.astype(acc)
 
     def body(j, carry):
-        d_hidden, d_items, d_bias = carry
+        d_hidden, d_items_t, d_bias = carry
         z, w, start, items = _tile(h, item_weight, bias, class_weight, j, block_v)
         dz = g[:, None] * jax.nn.sigmoid(z) * w
         d_hidden = d_hidden + dz @ items
-        d_items = _add_rows(d_items, dz.T @ h, start)
+        d_items_t = _add_columns(d_items_t, h.T @ dz, start)
         if d_bias is not None:
-            d_bias = _add_rows(d_bias, dz.sum(0), start)
-        return d_hidden, d_items, d_bias
+            d_bias = _add_columns(d_bias, dz.sum(0), start)
+        return d_hidden, d_items_t, d_bias
 
     init = (
         jnp.zeros(hidden.shape, acc),
-        jnp.zeros(item_weight.shape, acc),
+        _zeros_transposed(item_weight.shape, acc),
         None if bias is None else jnp.zeros(bias.shape, acc),
     )
-    return lax.fori_loop(0, _num_tiles(item_weight.shape[0], block_v), body, init)
+    d_hidden, d_items_t, d_bias = lax.fori_loop(0, _num_tiles(item_weight.shape[0], block_v), body, init)
+    return d_hidden, d_items_t.T, d_bias
 
 
-def _add_rows(total, tile, start):
-    current = lax.dynamic_slice_in_dim(total, start, tile.shape[0])
-    return lax.dynamic_update_slice_in_dim(total, current + tile, start, axis=0)
+def _zeros_transposed(shape, dtype):
+    """The table gradient's accumulator, `[D, V]`: see `_add_columns`."""
+    num_items, hidden_size = shape
+    return jnp.zeros((hidden_size, num_items), dtype)
+
+
+def _add_columns(total, tile, start):
+    """Adds `tile [..., block_v]` into the columns `start:start + block_v` of `total [..., V]`.
+
+    The table gradient is accumulated transposed, `[D, V]` += `h.T @ dz`: XLA:CPU runs that
+    product (output `[D, block_v]`) about twice as fast as `dz.T @ h` (output `[block_v, D]`), which
+    made the table gradient the costliest matmul of the loop (benchmarks/NOTES.md).
+    """
+    current = lax.dynamic_slice_in_dim(total, start, tile.shape[-1], axis=-1)
+    return lax.dynamic_update_slice_in_dim(total, current + tile, start, axis=-1)

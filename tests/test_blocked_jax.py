@@ -168,6 +168,54 @@ def test_nan_in_hidden_propagates():
     assert np.isnan(fast["loss"][1, 2]) and np.isfinite(np.delete(fast["loss"].ravel(), 7)).all()
 
 
+# -- the fused pass of the scalar reductions (core.cut_bce_value_and_grad) --------------------------
+
+
+@pytest.mark.parametrize("options", ["plain", "all"])
+def test_value_and_grad_equals_forward_then_backward(options):
+    """One loop computing rows, counts and gradients for a known row gradient == the two-pass path."""
+    from jax_kernels.core import CutBCEConfig, cut_bce_backward, cut_bce_forward, cut_bce_value_and_grad
+
+    n = int(np.prod(LEAD_SHAPE))
+    raw = select(make_inputs(LEAD_SHAPE, NUM_ITEMS, HIDDEN_SIZE, NUM_SLOTS, seed=30), OPTION_SETS[options])
+    hidden = jnp.asarray(raw["hidden"]).reshape(n, HIDDEN_SIZE) * 20  # |logits| well past softplus's linear range
+    operands = (hidden, jnp.asarray(raw["item_weight"]), jnp.asarray(raw["targets"]).reshape(n, NUM_SLOTS),
+                *(None if raw.get(k) is None else jnp.asarray(raw[k]) for k in ("bias", "class_weight", "pos_weight")))
+    g = jnp.asarray(make_upstream("none", (n,), seed=30))  # mixed signs, non-uniform
+    config = CutBCEConfig(block_v=BLOCK_V, compute_metrics=True)
+    (rows, counts), grads = cut_bce_value_and_grad(*operands, g, config=config)
+    ref_rows, ref_counts = cut_bce_forward(*operands, config=config)
+    ref_grads = cut_bce_backward(*operands, g, config=config)
+    np.testing.assert_array_equal(counts, ref_counts)
+    fused = {"rows": rows, **{f"d{i}": x for i, x in enumerate(grads) if x is not None}}
+    two_pass = {"rows": ref_rows, **{f"d{i}": x for i, x in enumerate(ref_grads) if x is not None}}
+    assert fused.keys() == two_pass.keys()
+    assert_close(fused, two_pass, dtype="float64", name="fused vs two passes")
+
+
+def _count_loops(fn, *args):
+    jaxpr = str(jax.make_jaxpr(fn)(*args))  # fori_loop with a static trip count traces to a scan
+    return jaxpr.count("scan[") + jaxpr.count("while[")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_scalar_loss_gradient_takes_one_pass_over_the_items(reduction):
+    """The gradient of 'mean'/'sum' runs one loop over the vocabulary tiles; 'none' needs two."""
+    raw = make_inputs(LEAD_SHAPE, NUM_ITEMS, HIDDEN_SIZE, NUM_SLOTS, seed=31)
+    hidden, item_weight, targets = (jnp.asarray(raw[k]) for k in ("hidden", "item_weight", "targets"))
+
+    def loss(h, e, reduction):
+        return blocked(h, e, targets, reduction=reduction, block_v=BLOCK_V).sum()
+
+    def grad(reduction):
+        return jax.grad(functools.partial(loss, reduction=reduction), argnums=(0, 1))
+
+    assert _count_loops(grad(reduction), hidden, item_weight) == 1
+    assert _count_loops(grad("none"), hidden, item_weight) == 2
+    # Without differentiation, the plain forward: one loop and no gradient accumulators.
+    assert _count_loops(functools.partial(loss, reduction=reduction), hidden, item_weight) == 1
+
+
 # -- cross-framework parity: torch native vs JAX blocked on the same numpy inputs ---------------
 
 
