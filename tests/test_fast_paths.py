@@ -33,7 +33,8 @@ def native(*args, **kwargs):
 def _tile(shape, seed):
     g = torch.Generator().manual_seed(seed)
     z = torch.randn(shape, generator=g) * 6  # |z| up to ~30: both branches of every where()
-    z[0, :3] = torch.tensor([0.0, 88.0, -103.0])  # exactly 0, exp underflow, a subnormal exp
+    # Exactly 0, exp(-|z|) underflow, a subnormal exp(-|z|), and 2 exp(|z|) = inf (rows' t = 0 path).
+    z[0, :4] = torch.tensor([0.0, 88.0, -103.0, -89.5])
     return z, torch.rand(shape[0], 1, generator=g) + 0.1, torch.rand(1, shape[1], generator=g) * 2
 
 

@@ -72,18 +72,24 @@ def _log1p_unit(e):
     the module docstring). The coefficients are literals, not a global tuple: dynamo would lift
     global floats into float64 graph inputs.
     """
-    t = e / (2 + e)
+    return _log1p_from_t(e / (2 + e))
+
+
+def _log1p_from_t(t):
+    """2 atanh(t) = 2 t P(t^2): log1p(e) given t = e / (2 + e)."""
     s = t * t
     p = 0.33333160203203005 + s * (0.20012325666897016 + s * (0.13982172352698377 + s * 0.1408072687843689))
     return 2 * t * (1.0000000038619887 + s * p)
 
 
 def _rows(z, cw):
-    # Inductor on CPU writes an exp with several users to memory before a reduction, so this is two
-    # loops (e, then the rest); with the tile in cache that costs little (NOTES.md). rows_grad's dz
-    # store shares the reduction's loop, and there everything fuses into one.
-    e = torch.exp(-z.abs())
-    return ((torch.clamp_min(z, 0) + _log1p_unit(e)) * cw).sum(-1)
+    # t = e / (2 + e) written as 1 / (2 exp(|z|) + 1), so that the exponential has one user: inductor
+    # on CPU writes an exp with several users to memory before a reduction (two loops over the tile),
+    # one user keeps one loop, 1.7 -> 1.2 ns per element (NOTES.md). exp(|z|) = inf for |z| > 88
+    # gives t = 0, the float32 log1p(e) there is a denormal (< 1e-38): flushed, not an error.
+    # rows_grad's dz store shares the reduction's loop, and there everything fuses into one anyway.
+    t = 1 / (2 * torch.exp(z.abs()) + 1)
+    return ((torch.clamp_min(z, 0) + _log1p_from_t(t)) * cw).sum(-1)
 
 
 def _rows_grad(z, cw, g, out):
