@@ -10,8 +10,8 @@ forward-with-gradient for a row gradient `g` known up front (scalar reductions: 
 
 Ragged last tile without padding the table: tile j starts at min(j * block_v, V - block_v), so the
 last tile is shifted back to end exactly at V; its columns below j * block_v were covered by tile
-j - 1 and are masked out. Gradients of the table are added (not written) into the accumulator
-(kept transposed, `[D, V]`, see `_add_columns`), so the masked overlap adds zeros.
+j - 1 and are masked out. Gradients of the table are added (not written) into the `[V, D]`
+accumulator, so the masked overlap adds zeros.
 
 Precision: logits, softplus, sigmoid and every sum run in float32 (float64 for float64 inputs);
 bfloat16 tiles are upcast before the matmul, so this path is at least as accurate as a bf16 MXU.
@@ -116,7 +116,7 @@ def blocked_background_value_and_grad(hidden, item_weight, bias, class_weight, g
     n = hidden.shape[0]
 
     def body(j, carry):
-        loss, count, d_hidden, d_items_t, d_bias = carry
+        loss, count, d_hidden, d_items, d_bias = carry
         z, w, start, items = _tile(h, item_weight, bias, class_weight, j, block_v)
         e = jnp.exp(-jnp.abs(z))
         loss = loss + _softplus(z, e) @ w
@@ -124,20 +124,20 @@ def blocked_background_value_and_grad(hidden, item_weight, bias, class_weight, g
             count = count + _count_positive(z, start, j, block_v)
         dz = g[:, None] * _sigmoid(z, e) * w
         d_hidden = d_hidden + dz @ items
-        d_items_t = _add_columns(d_items_t, h.T @ dz, start)
+        d_items = _add_rows(d_items, _table_grad_tile(h, dz), start)
         if d_bias is not None:
-            d_bias = _add_columns(d_bias, dz.sum(0), start)
-        return loss, count, d_hidden, d_items_t, d_bias
+            d_bias = _add_rows(d_bias, dz.sum(0), start)
+        return loss, count, d_hidden, d_items, d_bias
 
     init = (
         jnp.zeros((n,), acc),
         jnp.zeros((n,), jnp.float32),
         jnp.zeros(hidden.shape, acc),
-        _zeros_transposed(item_weight.shape, acc),
+        jnp.zeros(item_weight.shape, acc),
         None if bias is None else jnp.zeros(bias.shape, acc),
     )
-    loss, count, d_hidden, d_items_t, d_bias = lax.fori_loop(0, _num_tiles(item_weight.shape[0], block_v), body, init)
-    return loss, (count if compute_counts else None), d_hidden, d_items_t.T, d_bias
+    loss, count, d_hidden, d_items, d_bias = lax.fori_loop(0, _num_tiles(item_weight.shape[0], block_v), body, init)
+    return loss, (count if compute_counts else None), d_hidden, d_items, d_bias
 
 
 def blocked_background_backward(hidden, item_weight, bias, class_weight, g, *, block_v: int):
@@ -148,36 +148,35 @@ def blocked_background_backward(hidden, item_weight, bias, class_weight, g, *, b
     g = g.astype(acc)
 
     def body(j, carry):
-        d_hidden, d_items_t, d_bias = carry
+        d_hidden, d_items, d_bias = carry
         z, w, start, items = _tile(h, item_weight, bias, class_weight, j, block_v)
         dz = g[:, None] * jax.nn.sigmoid(z) * w
         d_hidden = d_hidden + dz @ items
-        d_items_t = _add_columns(d_items_t, h.T @ dz, start)
+        d_items = _add_rows(d_items, _table_grad_tile(h, dz), start)
         if d_bias is not None:
-            d_bias = _add_columns(d_bias, dz.sum(0), start)
-        return d_hidden, d_items_t, d_bias
+            d_bias = _add_rows(d_bias, dz.sum(0), start)
+        return d_hidden, d_items, d_bias
 
     init = (
         jnp.zeros(hidden.shape, acc),
-        _zeros_transposed(item_weight.shape, acc),
+        jnp.zeros(item_weight.shape, acc),
         None if bias is None else jnp.zeros(bias.shape, acc),
     )
-    d_hidden, d_items_t, d_bias = lax.fori_loop(0, _num_tiles(item_weight.shape[0], block_v), body, init)
-    return d_hidden, d_items_t.T, d_bias
+    return lax.fori_loop(0, _num_tiles(item_weight.shape[0], block_v), body, init)
 
 
-def _zeros_transposed(shape, dtype):
-    """The table gradient's accumulator, `[D, V]`: see `_add_columns`."""
-    num_items, hidden_size = shape
-    return jnp.zeros((hidden_size, num_items), dtype)
+def _table_grad_tile(h, dz):
+    """`dz.T @ h`, the `[block_v, D]` tile of the table gradient, computed as `(h.T @ dz).T`.
 
-
-def _add_columns(total, tile, start):
-    """Adds `tile [..., block_v]` into the columns `start:start + block_v` of `total [..., V]`.
-
-    The table gradient is accumulated transposed, `[D, V]` += `h.T @ dz`: XLA:CPU runs that
-    product (output `[D, block_v]`) about twice as fast as `dz.T @ h` (output `[block_v, D]`), which
-    made the table gradient the costliest matmul of the loop (benchmarks/NOTES.md).
+    XLA:CPU runs the product with the `[D, block_v]` output about twice as fast as the one with the
+    `[block_v, D]` output, which made the table gradient the costliest matmul of the loop
+    (benchmarks/NOTES.md). The barrier keeps XLA's simplifier from folding the transpose back into
+    the slow product; transposing the small tile costs little, and the `[V, D]` accumulator stays
+    the only table-sized buffer (a `[D, V]` one would need a `[V, D]` copy at the end).
     """
-    current = lax.dynamic_slice_in_dim(total, start, tile.shape[-1], axis=-1)
-    return lax.dynamic_update_slice_in_dim(total, current + tile, start, axis=-1)
+    return lax.optimization_barrier(h.T @ dz).T
+
+
+def _add_rows(total, tile, start):
+    current = lax.dynamic_slice_in_dim(total, start, tile.shape[0])
+    return lax.dynamic_update_slice_in_dim(total, current + tile, start, axis=0)
