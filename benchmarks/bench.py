@@ -36,13 +36,13 @@ import json
 import os
 import pathlib
 import platform
-import resource
 import statistics
 import subprocess
 import sys
 import time
 
 import providers as P
+from proc_memory import limit_address_space, peak_rss_bytes, reset_peak_rss, rss_bytes
 
 HERE = pathlib.Path(__file__).resolve().parent
 MIB = 1 << 20
@@ -76,31 +76,6 @@ def machine() -> str:
         pass
     ram_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
     return f"{model}, {os.cpu_count()} cores, {ram_gib:.0f} GiB"
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
-def rss_bytes() -> int:
-    return _status_kib("VmRSS") * 1024
-
-
-def peak_rss_bytes() -> int:
-    return _status_kib("VmHWM") * 1024
-
-
-def reset_peak_rss() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")
-        return True
-    except OSError:
-        return False
 
 
 # -- speed -----------------------------------------------------------------------------------------
@@ -154,10 +129,7 @@ def time_shape(shape, provider_names, modes, repeats, budget_bytes):
 def memory_worker(provider, shape, mode, budget_bytes) -> dict:
     """Runs in a fresh process: peak RSS of one step beyond inputs and gradients (see module doc)."""
     P.prepare([provider])  # imports map gigabytes of address space: before measuring it
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    address_space = _status_kib("VmSize") * 1024
-    limit = address_space + budget_bytes
-    resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
+    limit_address_space(budget_bytes)
     out = dict(provider=provider, mode=mode, num_items=shape.num_items)
     try:
         case = P.setup(provider, shape, mode)

@@ -25,9 +25,7 @@ import csv
 import datetime
 import json
 import math
-import os
 import pathlib
-import resource
 import statistics
 import subprocess
 import sys
@@ -37,10 +35,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from proc_memory import MIB, limit_address_space, peak_rss_bytes
 from torch_cutbce import cut_bce_with_logits, fused_tile
 
 HERE = pathlib.Path(__file__).resolve().parent
-GIB, MIB = 1 << 30, 1 << 20
+GIB = 1 << 30
 
 
 class TinySASRec(nn.Module):
@@ -82,14 +81,6 @@ def synthetic_batch(batch_size, seq_len, num_items, num_slots, seed):
     return seq, targets, (~pad).to(torch.float32)
 
 
-def rss_mib(field="VmHWM") -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def dense_need_gib(num_positions, num_items) -> float:
     """Logits + their gradient + the multi-hot target, float32, before any temporary."""
     return 3 * num_positions * num_items * 4 / GIB
@@ -125,21 +116,21 @@ def train(args, loss_fn, steps):
         optimizer.step()
         seconds.append(time.perf_counter() - start)
         losses.append(loss.item())
-        print(f"  step {len(losses)}: loss {losses[-1]:.6f}  {seconds[-1]:.1f} s  peak RSS {rss_mib():.0f} MiB", flush=True)
+        peak_mib = peak_rss_bytes() / MIB
+        print(f"  step {len(losses)}: loss {losses[-1]:.6f}  {seconds[-1]:.1f} s  peak RSS {peak_mib:.0f} MiB", flush=True)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     return dict(losses=losses, seconds=seconds, params_mib=params / MIB)
 
 
 def dense_worker(args):
     """One dense training step under RLIMIT_AS; prints a JSON line with the outcome."""
-    limit = int(rss_mib("VmSize") * MIB) + int(args.dense_limit_gib * GIB)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    limit_address_space(int(args.dense_limit_gib * GIB))
     try:
         result = train(args, dense_loss, steps=1)
         out = dict(status="ok", seconds=result["seconds"][0], loss=result["losses"][0])
     except (RuntimeError, MemoryError) as error:
         out = dict(status="failed", error=f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
-    out["peak_rss_mib"] = rss_mib()
+    out["peak_rss_mib"] = peak_rss_bytes() / MIB
     print(json.dumps(out), flush=True)
 
 
@@ -183,7 +174,7 @@ def main(argv=None):
     seconds_per_step = statistics.median(timed)
     compile_s = sum(fused_tile.compile_seconds().values())
     params_mib = result["params_mib"]
-    peak = rss_mib()
+    peak = peak_rss_bytes() / MIB
     summary = dict(
         timestamp=datetime.datetime.now().isoformat(timespec="seconds"), num_positions=n, num_items=args.num_items,
         hidden_size=args.hidden_size, num_slots=args.num_slots, threads=torch.get_num_threads(),

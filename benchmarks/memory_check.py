@@ -20,16 +20,14 @@ import ctypes.util
 import gc
 import itertools
 import json
-import os
-import resource
 import sys
 import time
 
 import torch
 
+from proc_memory import MIB, peak_rss_bytes, reset_peak_rss, rss_bytes
 from torch_cutbce import cut_bce_with_logits
 
-MIB = 1 << 20
 
 
 def release_free_memory() -> None:
@@ -45,32 +43,6 @@ def release_free_memory() -> None:
             ctypes.CDLL(libc_name).malloc_trim(0)
         except (OSError, AttributeError):  # not glibc
             pass
-
-
-def reset_peak_rss() -> bool:
-    """Sets the peak RSS to the current RSS (Linux >= 4.0); False where that is not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_rss_mib() -> float:
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
-def current_rss_mib() -> float:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / MIB
 
 
 def make_inputs(num_positions, num_items, hidden_size, num_slots, dtype, seed=0):
@@ -95,12 +67,12 @@ def measure(num_positions, num_items, hidden_size, num_slots, dtype, reduction, 
     hidden, item_weight, targets = make_inputs(num_positions, num_items, hidden_size, num_slots, getattr(torch, dtype))
     release_free_memory()
     reset = reset_peak_rss()
-    baseline_mib = current_rss_mib()
+    baseline_mib = rss_bytes() / MIB
     grads_mib = (hidden.nbytes + item_weight.nbytes) / MIB
     start = time.perf_counter()
     loss = forward_backward(hidden, item_weight, targets, reduction, block_v)
     wall_s = time.perf_counter() - start
-    peak_mib = peak_rss_mib()
+    peak_mib = peak_rss_bytes() / MIB
     assert hidden.grad is not None and item_weight.grad is not None
     return {
         "num_positions": num_positions, "num_items": num_items, "hidden_size": hidden_size,
