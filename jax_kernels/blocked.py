@@ -116,28 +116,18 @@ def blocked_background_value_and_grad(hidden, item_weight, bias, class_weight, g
     n = hidden.shape[0]
 
     def body(j, carry):
-        loss, count, d_hidden, d_items, d_bias = carry
+        loss, count, grads = carry
         z, w, start, items = _tile(h, item_weight, bias, class_weight, j, block_v)
         e = jnp.exp(-jnp.abs(z))
         loss = loss + _softplus(z, e) @ w
         if compute_counts:
             count = count + _count_positive(z, start, j, block_v)
         dz = g[:, None] * _sigmoid(z, e) * w
-        d_hidden = d_hidden + dz @ items
-        d_items = _add_rows(d_items, _table_grad_tile(h, dz), start)
-        if d_bias is not None:
-            d_bias = _add_rows(d_bias, dz.sum(0), start)
-        return loss, count, d_hidden, d_items, d_bias
+        return loss, count, _add_tile_grads(grads, dz, h, items, start)
 
-    init = (
-        jnp.zeros((n,), acc),
-        jnp.zeros((n,), jnp.float32),
-        jnp.zeros(hidden.shape, acc),
-        jnp.zeros(item_weight.shape, acc),
-        None if bias is None else jnp.zeros(bias.shape, acc),
-    )
-    loss, count, d_hidden, d_items, d_bias = lax.fori_loop(0, _num_tiles(item_weight.shape[0], block_v), body, init)
-    return loss, (count if compute_counts else None), d_hidden, d_items, d_bias
+    init = (jnp.zeros((n,), acc), jnp.zeros((n,), jnp.float32), _zero_grads(hidden, item_weight, bias, acc))
+    loss, count, grads = lax.fori_loop(0, _num_tiles(item_weight.shape[0], block_v), body, init)
+    return (loss, count if compute_counts else None, *grads)
 
 
 def blocked_background_backward(hidden, item_weight, bias, class_weight, g, *, block_v: int):
@@ -147,22 +137,32 @@ def blocked_background_backward(hidden, item_weight, bias, class_weight, g, *, b
     h = hidden.astype(acc)
     g = g.astype(acc)
 
-    def body(j, carry):
-        d_hidden, d_items, d_bias = carry
+    def body(j, grads):
         z, w, start, items = _tile(h, item_weight, bias, class_weight, j, block_v)
         dz = g[:, None] * jax.nn.sigmoid(z) * w
-        d_hidden = d_hidden + dz @ items
-        d_items = _add_rows(d_items, _table_grad_tile(h, dz), start)
-        if d_bias is not None:
-            d_bias = _add_rows(d_bias, dz.sum(0), start)
-        return d_hidden, d_items, d_bias
+        return _add_tile_grads(grads, dz, h, items, start)
 
-    init = (
+    init = _zero_grads(hidden, item_weight, bias, acc)
+    return lax.fori_loop(0, _num_tiles(item_weight.shape[0], block_v), body, init)
+
+
+def _zero_grads(hidden, item_weight, bias, acc):
+    """The accumulators `(d_hidden [N, D], d_item_weight [V, D], d_bias [V] or None)`."""
+    return (
         jnp.zeros(hidden.shape, acc),
         jnp.zeros(item_weight.shape, acc),
         None if bias is None else jnp.zeros(bias.shape, acc),
     )
-    return lax.fori_loop(0, _num_tiles(item_weight.shape[0], block_v), body, init)
+
+
+def _add_tile_grads(grads, dz, h, items, start):
+    """Adds tile j's share, from `dz [N, block_v]`, to the `_zero_grads` accumulators."""
+    d_hidden, d_items, d_bias = grads
+    d_hidden = d_hidden + dz @ items
+    d_items = _add_rows(d_items, _table_grad_tile(h, dz), start)
+    if d_bias is not None:
+        d_bias = _add_rows(d_bias, dz.sum(0), start)
+    return d_hidden, d_items, d_bias
 
 
 def _table_grad_tile(h, dz):
