@@ -9,7 +9,7 @@ import numpy as np
 from jax_kernels.core import CutBCEConfig, cut_bce_rows, cut_bce_weighted_sum
 from jax_kernels.positives import accumulation_dtype
 from jax_kernels.reference import reduce_rows
-from jax_kernels.shapes import ArraySpec, check_arguments, default_block_v
+from jax_kernels.shapes import ArraySpec, check_arguments, default_block_v, reduction_divisor
 
 IMPL_CHOICES = ("auto", "blocked", "pallas")
 
@@ -46,11 +46,10 @@ def _check_ids_below_vocab(targets, num_items):
 
 
 def _row_weight(weight, reduction, num_positions, num_items, dtype):
-    """Each row's factor in the scalar loss: weight (or 1), divided by N V for 'mean' (as reduce_rows)."""
+    """Each row's factor in the scalar loss: weight (or 1) over the reduction's divisor (as reduce_rows)."""
     acc = accumulation_dtype(dtype)
     w = jnp.ones((num_positions,), acc) if weight is None else weight.reshape(num_positions).astype(acc)
-    # A Python float: N * V overflows int32 under jit without x64.
-    return w / float(num_positions * num_items) if reduction == "mean" else w
+    return w / reduction_divisor(reduction, num_positions, num_items)
 
 
 def cut_bce(

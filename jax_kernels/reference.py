@@ -23,6 +23,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax_kernels.shapes import reduction_divisor
+
 
 def multi_hot(targets: jax.Array, num_items: int, dtype=jnp.float32) -> jax.Array:
     """Turns padded ids `[N, L]` into a dense set indicator `[N, V]` (duplicates count once)."""
@@ -100,5 +102,4 @@ def reduce_rows(rows, reduction, num_items):
         return rows
     if reduction == "sum":
         return rows.sum()
-    # A Python float: N * V overflows int32 under jit (8192 x 876,939 > 2**31) without x64.
-    return rows.sum() / float(rows.shape[0] * num_items)
+    return rows.sum() / reduction_divisor(reduction, rows.shape[0], num_items)

@@ -106,6 +106,14 @@ def check_arguments(
     )
 
 
+def reduction_divisor(reduction: str, num_positions: int, num_items: int) -> float:
+    """What the summed, weighted rows are divided by: N V for 'mean' (as BCEWithLogitsLoss), else 1.
+
+    A Python float: N * V overflows int32 under jit (8192 x 876,939 > 2**31) without x64.
+    """
+    return float(num_positions * num_items) if reduction == "mean" else 1.0
+
+
 def default_block_v(num_positions: int, num_items: int, tile_bytes: int = 16 << 20) -> int:
     """Vocabulary tile width so that one float32 `[N, block_v]` tile takes about `tile_bytes`.
 

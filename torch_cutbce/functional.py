@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from jax_kernels.shapes import ArraySpec, check_arguments, default_block_v
+from jax_kernels.shapes import ArraySpec, check_arguments, default_block_v, reduction_divisor
 from torch_cutbce.metrics import CutBCEMetrics
 from torch_cutbce.native import NativeCutBCELoss, NativeCutBCERows
 from torch_cutbce.reference import dense_bce_with_logits
@@ -145,10 +145,9 @@ def cut_bce_with_logits(
             targets.reshape(n, size.num_slots))
     if backend == "native" and reduction != "none":
         # Gradients computed during the forward (native.py); weight and reduction are applied inside.
-        divisor = 1 if reduction == "sum" else n * size.num_items
         w = None if weight is None else weight.reshape(n)
-        loss, counts = NativeCutBCELoss.apply(
-            *flat[:3], w, *flat[3:], divisor, block_v, return_metrics, torch.is_grad_enabled())
+        loss, counts = NativeCutBCELoss.apply(*flat[:3], w, *flat[3:], reduction_divisor(reduction, n, size.num_items),
+                                              block_v, return_metrics, torch.is_grad_enabled())
         return (loss, CutBCEMetrics(*counts)) if return_metrics else loss
     if backend == "native":
         rows, counts = NativeCutBCERows.apply(*flat, block_v, return_metrics)
@@ -176,7 +175,7 @@ def reduce_rows(rows, counts, weight, reduction, lead_shape, num_items, return_m
     elif reduction == "sum":
         loss = rows.sum()
     else:
-        loss = rows.sum() / (n * num_items)
+        loss = rows.sum() / reduction_divisor(reduction, n, num_items)
     if not return_metrics:
         return loss
     if reduction == "none":
