@@ -32,6 +32,7 @@ OPTION_SETS = {
     "all": OPTIONAL,
 }
 METRIC_NAMES = ("tp", "fp", "fn", "tn")
+GRADS = ("hidden", "item_weight", "bias", "weight")  # the differentiable inputs (class/pos weights are constants)
 _TINY = 1e-30
 
 
@@ -208,7 +209,30 @@ def _collect(loss, metrics, grads):
     return {k: to_numpy(x) for k, x in results.items()}
 
 
-def run_torch(fn, inputs, *, dtype, upstream, grad_names=("hidden", "item_weight", "bias", "weight"),
+def check_against_oracle(run, fn, same_dtype_reference, inputs, lead_shape, *, dtype, reduction, name, seed=0,
+                         grad_names=GRADS, **kwargs):
+    """The parity rule of `dtype` for the loss, gradients and metrics of `fn` vs the float64 dense oracle.
+
+    `run` is `run_torch` or `run_jax` (the fast path's framework); the upstream gradient is random
+    and non-uniform. For bfloat16 the rule is CCE's: `fn`'s error against the float64 truth may
+    exceed `same_dtype_reference`'s (the dense loss run in bfloat16 by `run`) by the tolerance.
+    Returns `fn`'s results.
+    """
+    from torch_cutbce import dense_bce_with_logits
+
+    upstream = make_upstream(reduction, lead_shape, seed=seed, dtype=dtype)
+    common = dict(upstream=upstream, grad_names=grad_names, reduction=reduction)
+    fast = run(fn, inputs, dtype=dtype, **common, **kwargs)
+    truth = run_torch(dense_bce_with_logits, inputs, dtype="float64", **common)
+    if dtype == "bfloat16":
+        same_dtype = run(same_dtype_reference, inputs, dtype="bfloat16", **common)
+        assert_close(fast, same_dtype, truth, dtype=dtype, name=name)
+    else:
+        assert_close(fast, truth, dtype=dtype, name=name)
+    return fast
+
+
+def run_torch(fn, inputs, *, dtype, upstream, grad_names=GRADS,
               device="cpu", return_metrics=True, **kwargs):
     """Runs `fn(hidden, item_weight, targets, bias, *, weight, class_weight, pos_weight, **kwargs)`.
 
@@ -236,7 +260,7 @@ def run_torch(fn, inputs, *, dtype, upstream, grad_names=("hidden", "item_weight
     return _collect(loss, metrics, grads)
 
 
-def run_jax(fn, inputs, *, dtype, upstream, grad_names=("hidden", "item_weight", "bias", "weight"),
+def run_jax(fn, inputs, *, dtype, upstream, grad_names=GRADS,
             return_metrics=True, **kwargs):
     """The JAX twin of `run_torch`: gradients from `jax.vjp` with `upstream` as the cotangent.
 

@@ -22,11 +22,11 @@ import pytest
 
 import jax_kernels
 from parity import (
-    DTYPES, OPTION_SETS, OPTIONAL, REDUCTIONS, assert_close, make_inputs, make_upstream, run_jax, run_torch, select,
+    DTYPES, GRADS, OPTION_SETS, OPTIONAL, REDUCTIONS, assert_close, check_against_oracle, make_inputs, make_upstream,
+    run_jax, run_torch, select,
 )
 from torch_cutbce import cut_bce_with_logits, dense_bce_with_logits
 
-GRADS = ("hidden", "item_weight", "bias", "weight")
 # N = 15 positions, V = 37 items, block_v = 8: a ragged last tile.
 LEAD_SHAPE, NUM_ITEMS, HIDDEN_SIZE, NUM_SLOTS, BLOCK_V = (3, 5), 37, 8, 5, 8
 
@@ -39,18 +39,9 @@ def dense_bf16(*args, **kwargs):
     return jax_kernels.dense_cut_bce(*args, compute_dtype=jnp.bfloat16, **kwargs)
 
 
-def check_blocked(inputs, lead_shape, *, dtype, reduction, seed=0, grad_names=GRADS, fn=blocked, **kwargs):
-    """The parity rule of `dtype` for the loss, gradients and metrics of `fn` vs the dense oracle."""
-    upstream = make_upstream(reduction, lead_shape, seed=seed, dtype=dtype)
-    common = dict(upstream=upstream, grad_names=grad_names, reduction=reduction)
-    fast = run_jax(fn, inputs, dtype=dtype, **common, **kwargs)
-    truth = run_torch(dense_bce_with_logits, inputs, dtype="float64", **common)
-    if dtype == "bfloat16":
-        same_dtype_ref = run_jax(dense_bf16, inputs, dtype="bfloat16", **common)
-        assert_close(fast, same_dtype_ref, truth, dtype=dtype, name="blocked")
-    else:
-        assert_close(fast, truth, dtype=dtype, name="blocked")
-    return fast
+def check_blocked(inputs, lead_shape, *, fn=blocked, **kwargs):
+    """`parity.check_against_oracle` for the blocked JAX path (`fn`, default: the path itself)."""
+    return check_against_oracle(run_jax, fn, dense_bf16, inputs, lead_shape, name="blocked", **kwargs)
 
 
 MATRIX = [

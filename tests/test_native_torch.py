@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from parity import (
-    DTYPES, OPTION_SETS, OPTIONAL, REDUCTIONS, assert_close, make_inputs, make_upstream, run_torch, select,
+    DTYPES, GRADS, OPTION_SETS, OPTIONAL, REDUCTIONS, assert_close, check_against_oracle, make_inputs, make_upstream,
+    run_torch, select,
 )
 from torch_cutbce import (
     CutBCEWithLogitsLoss, cut_bce_with_logits, dense_bce_with_logits, ids_to_multi_hot, multi_hot_to_ids,
 )
 
-GRADS = ("hidden", "item_weight", "bias", "weight")
 # N = 15 positions, V = 37 items, block_v = 8: a ragged last tile.
 LEAD_SHAPE, NUM_ITEMS, HIDDEN_SIZE, NUM_SLOTS, BLOCK_V = (3, 5), 37, 8, 5, 8
 
@@ -30,18 +30,9 @@ def native(*args, **kwargs):
     return cut_bce_with_logits(*args, backend="native", **kwargs)
 
 
-def check_native(inputs, lead_shape, *, dtype, reduction, seed=0, grad_names=GRADS, fn=native, **kwargs):
-    """The parity rule of `dtype` for the loss, gradients and metrics of `fn` vs the dense oracle."""
-    upstream = make_upstream(reduction, lead_shape, seed=seed, dtype=dtype)
-    common = dict(upstream=upstream, grad_names=grad_names, reduction=reduction)
-    fast = run_torch(fn, inputs, dtype=dtype, **common, **kwargs)
-    truth = run_torch(dense_bce_with_logits, inputs, dtype="float64", **common)
-    if dtype == "bfloat16":
-        same_dtype_ref = run_torch(dense_bce_with_logits, inputs, dtype="bfloat16", **common)
-        assert_close(fast, same_dtype_ref, truth, dtype=dtype, name="native")
-    else:
-        assert_close(fast, truth, dtype=dtype, name="native")
-    return fast
+def check_native(inputs, lead_shape, *, fn=native, **kwargs):
+    """`parity.check_against_oracle` for the torch native path (`fn`, default: the path itself)."""
+    return check_against_oracle(run_torch, fn, dense_bce_with_logits, inputs, lead_shape, name="native", **kwargs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
