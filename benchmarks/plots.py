@@ -56,12 +56,7 @@ def plot(rows, out_dir: pathlib.Path) -> list[pathlib.Path]:
         ax.set(xscale="log", yscale="log", xlabel="V (items)", ylabel="median ms", title=f"time, {mode}")
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle(subtitle, fontsize=8)
-    fig.tight_layout()
-    path = out_dir / "time_vs_v.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    written.append(path)
+    written.append(_save(fig, subtitle, out_dir / "time_vs_v.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for provider in providers:
@@ -78,13 +73,18 @@ def plot(rows, out_dir: pathlib.Path) -> list[pathlib.Path]:
            title="peak memory, fwd+bwd (fresh process per point)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
+    written.append(_save(fig, subtitle, out_dir / "memory_vs_v.png"))
+    return written
+
+
+def _save(fig, subtitle, path):
+    import matplotlib.pyplot as plt
+
     fig.suptitle(subtitle, fontsize=8)
     fig.tight_layout()
-    path = out_dir / "memory_vs_v.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    written.append(path)
-    return written
+    return path
 
 
 def latest_run(csv_path: pathlib.Path):
