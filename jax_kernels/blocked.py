@@ -1,16 +1,19 @@
-"""The dense background in pure JAX: a loop over vocabulary tiles, nothing of size N x V.
+"""CutBCE in pure JAX: a loop over vocabulary tiles, nothing of size N x V.
 
-Computes only the background half of the fused form (positives.py has the other half):
+Each tile computes every element's exact loss and gradient, its positives included
+(`positives.element_terms`): with `y` the tile's positives and `weight = cw * where(y, pw, 1)`,
 
-    row_bg[n]  = sum_v cw[v] softplus(z[n, v])            count_pos[n] = #{v : z[n, v] > 0}
-    dz[n, v]   = g[n] cw[v] sigmoid(z[n, v])               (backward, recomputing z per tile)
+    rows[n]   = sum_v weight * softplus(where(y, -z, z))         count_pos[n] = #{v : z > 0}
+    dz[n, v]  = g[n] weight (sigmoid(z) - y)   [as +-sigmoid(+-z)]   hits[n] = #{v : y and z > 0}
 
-Three loops: forward; backward (recomputes each tile: four matmuls per tile in all); and
-forward-with-gradient for a row gradient `g` known up front (scalar reductions: three matmuls).
+`y` comes from a scatter of the row's O(L) ids into a boolean `[N, block_v]` tile (no compare
+against all L ids per element). Three loops: forward; backward (recomputes each tile: four
+matmuls per tile in all); and forward-with-gradient for a row gradient `g` known up front
+(scalar reductions: three matmuls).
 
 Ragged last tile without padding the table: tile j starts at min(j * block_v, V - block_v), so the
 last tile is shifted back to end exactly at V; its columns below j * block_v were covered by tile
-j - 1 and are masked out. Gradients of the table are added (not written) into the `[V, D]`
+j - 1 and get weight 0. Gradients of the table are added (not written) into the `[V, D]`
 accumulator, so the masked overlap adds zeros.
 
 Precision: logits, softplus, sigmoid and every sum run in float32 (float64 for float64 inputs);
@@ -19,131 +22,128 @@ bfloat16 tiles are upcast before the matmul, so this path is at least as accurat
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_kernels.positives import accumulation_dtype
+from jax_kernels.positives import accumulation_dtype, element_terms
 
 
-def _log1p_unit(e):
-    """log1p(e) for e in [0, 1] without log1p: 2 atanh(t) = 2 t P(t^2), t = e / (2 + e) in [0, 1/3].
+class _Table:
+    """The operands every tile reads: `h` in the accumulation dtype, the table and its `[V]` rows."""
 
-    P(s) ~ atanh(sqrt(s)) / sqrt(s) is a degree-4 least-squares fit on s in [0, 1/9] (float64
-    fit): relative error 4e-9 for every e, e -> 0 included, under float32's 6e-8. XLA:CPU's log1p
-    costs about 4 ns per element, 3x this divide and five multiply-adds (the twin of
-    torch_cutbce/fused_tile.py; measured in benchmarks/NOTES.md).
-    """
-    t = e / (2 + e)
-    s = t * t
-    p = 0.33333160203203005 + s * (0.20012325666897016 + s * (0.13982172352698377 + s * 0.1408072687843689))
-    return 2 * t * (1.0000000038619887 + s * p)
+    def __init__(self, hidden, item_weight, bias, class_weight, pos_weight, ids, block_v):
+        self.acc = accumulation_dtype(hidden.dtype)
+        self.h = hidden.astype(self.acc)
+        self.item_weight, self.ids = item_weight, ids
+        self.bias, self.class_weight, self.pos_weight = (
+            None if x is None else x.astype(self.acc) for x in (bias, class_weight, pos_weight)
+        )
+        self.num_items = item_weight.shape[0]
+        self.block_v = min(block_v, self.num_items)
+        self.num_tiles = -(-self.num_items // self.block_v)
 
+    def tile(self, j):
+        """Tile j: `(z [N, bv], y [N, bv] bool, weight [bv] or [N, bv], fresh [bv], start, items)`.
 
-def _softplus(z, e=None):
-    """max(z, 0) + log1p(exp(-|z|)); log1p is the polynomial above unless z is float64.
+        `fresh` marks the columns this tile owns (not the overlap of a shifted last tile); `weight`
+        is 0 off them.
+        """
+        bv = self.block_v
+        start = jnp.minimum(j * bv, self.num_items - bv)
+        items = lax.dynamic_slice_in_dim(self.item_weight, start, bv).astype(self.acc)
+        z = self.h @ items.T
+        if self.bias is not None:
+            z = z + lax.dynamic_slice_in_dim(self.bias, start, bv)
+        fresh = start + jnp.arange(bv) >= j * bv
+        weight = fresh.astype(self.acc)
+        if self.class_weight is not None:
+            weight = weight * lax.dynamic_slice_in_dim(self.class_weight, start, bv)
+        y = self._positives(start)
+        if self.pos_weight is not None:
+            weight = weight * jnp.where(y, lax.dynamic_slice_in_dim(self.pos_weight, start, bv), 1)
+        return z, y, weight, fresh, start, items
 
-    `e = exp(-|z|)` may be passed in, to share one exponential with `_sigmoid`.
-    """
-    e = jnp.exp(-jnp.abs(z)) if e is None else e
-    tail = jnp.log1p(e) if z.dtype == jnp.float64 else _log1p_unit(e)
-    return jnp.maximum(z, 0) + tail
-
-
-def _sigmoid(z, e):
-    """sigmoid(z) from `e = exp(-|z|)`: 1 / (1 + e) for z >= 0, e / (1 + e) below (never overflows)."""
-    return jnp.where(z >= 0, 1, e) / (1 + e)
-
-
-def _tile(hidden_acc, item_weight, bias, class_weight, j, block_v):
-    """Logits of tile j and the per-column weight (0 on overlapped columns): `(z [N, bv], w [bv], start)`."""
-    num_items = item_weight.shape[0]
-    acc = hidden_acc.dtype
-    start = jnp.minimum(j * block_v, num_items - block_v)
-    items = lax.dynamic_slice_in_dim(item_weight, start, block_v).astype(acc)
-    z = hidden_acc @ items.T
-    if bias is not None:
-        z = z + lax.dynamic_slice_in_dim(bias.astype(acc), start, block_v)
-    column = start + jnp.arange(block_v)
-    w = (column >= j * block_v).astype(acc)
-    if class_weight is not None:
-        w = w * lax.dynamic_slice_in_dim(class_weight.astype(acc), start, block_v)
-    return z, w, start, items
-
-
-def _count_positive(z, start, j, block_v):
-    """Per row, the logits > 0 of tile j; counts skip only the overlapped columns, not items whose class_weight is 0."""
-    fresh = start + jnp.arange(block_v) >= j * block_v
-    return ((z > 0) & fresh).astype(jnp.float32).sum(-1)
+    def _positives(self, start):
+        """`[N, bv]` bool: a scatter of the ids inside `[start, start + bv)`; the rest drop out of range."""
+        n, bv = self.h.shape[0], self.block_v
+        local = self.ids - start
+        local = jnp.where((local >= 0) & (local < bv), local, bv)
+        rows = jnp.broadcast_to(jnp.arange(n)[:, None], local.shape)
+        return jnp.zeros((n, bv), bool).at[rows, local].set(True, mode="drop")
 
 
-def _num_tiles(num_items, block_v):
-    return -(-num_items // block_v)
+def _weighted_rows(loss, weight):
+    # A matrix-vector product when the weight is one row (no pos_weight), else a weighted row sum.
+    return loss @ weight if weight.ndim == 1 else (loss * weight).sum(-1)
 
 
-def blocked_background_forward(hidden, item_weight, bias, class_weight, *, block_v: int, compute_counts: bool):
-    """Returns `(row_bg [N], count_pos [N] float32 or None)` in the accumulation dtype."""
-    acc = accumulation_dtype(hidden.dtype)
-    block_v = min(block_v, item_weight.shape[0])
-    h = hidden.astype(acc)
+def _counts(z, y, fresh):
+    """Per row: logits > 0 and positives with logit > 0 among the tile's own columns (float32)."""
+    positive = (z > 0) & fresh
+    return jnp.stack([positive.astype(jnp.float32).sum(-1), (positive & y).astype(jnp.float32).sum(-1)])
+
+
+def blocked_forward(hidden, item_weight, bias, class_weight, pos_weight, ids, *, block_v: int, compute_counts: bool):
+    """Returns `(rows [N], counts [2, N] float32 or None)`: the rows in the accumulation dtype, and
+    the predicted positives and hits (positives with z > 0) per row. `ids`: `positives.positive_ids`."""
+    t = _Table(hidden, item_weight, bias, class_weight, pos_weight, ids, block_v)
     n = hidden.shape[0]
 
     def body(j, carry):
-        loss, count = carry
-        z, w, start, _ = _tile(h, item_weight, bias, class_weight, j, block_v)
-        loss = loss + _softplus(z) @ w  # a matrix-vector product: the masked, weighted row sum
+        rows, counts = carry
+        z, y, weight, fresh, _, _ = t.tile(j)
+        loss, _ = element_terms(z, y, jnp.exp(-jnp.abs(z)))
+        rows = rows + _weighted_rows(loss, weight)
         if compute_counts:
-            count = count + _count_positive(z, start, j, block_v)
-        return loss, count
+            counts = counts + _counts(z, y, fresh)
+        return rows, counts
 
-    init = (jnp.zeros((n,), acc), jnp.zeros((n,), jnp.float32))
-    loss, count = lax.fori_loop(0, _num_tiles(item_weight.shape[0], block_v), body, init)
-    return loss, (count if compute_counts else None)
+    init = (jnp.zeros((n,), t.acc), jnp.zeros((2, n), jnp.float32))
+    rows, counts = lax.fori_loop(0, t.num_tiles, body, init)
+    return rows, (counts if compute_counts else None)
 
 
-def blocked_background_value_and_grad(hidden, item_weight, bias, class_weight, g, *, block_v: int, compute_counts: bool):
+def blocked_value_and_grad(hidden, item_weight, bias, class_weight, pos_weight, ids, g, *, block_v: int,
+                           compute_counts: bool):
     """Forward and backward in one loop, for an upstream gradient `g [N]` known before the forward.
 
     A scalar loss `sum_n g[n] rows[n]` (reductions 'mean' and 'sum') knows its row gradient up
     front, so each logit tile is computed once and serves softplus and sigmoid from one exponential:
     three matmuls per tile instead of the four of forward + backward. Returns
-    `(row_bg, count_pos or None, d_hidden, d_item_weight, d_bias or None)` in the accumulation dtype.
+    `(rows, counts or None, d_hidden, d_item_weight, d_bias or None)` in the accumulation dtype.
     """
-    acc = accumulation_dtype(hidden.dtype)
-    block_v = min(block_v, item_weight.shape[0])
-    h = hidden.astype(acc)
-    g = g.astype(acc)
+    t = _Table(hidden, item_weight, bias, class_weight, pos_weight, ids, block_v)
+    g = g.astype(t.acc)
     n = hidden.shape[0]
 
     def body(j, carry):
-        loss, count, grads = carry
-        z, w, start, items = _tile(h, item_weight, bias, class_weight, j, block_v)
-        e = jnp.exp(-jnp.abs(z))
-        loss = loss + _softplus(z, e) @ w
+        rows, counts, grads = carry
+        z, y, weight, fresh, start, items = t.tile(j)
+        loss, slope = element_terms(z, y, jnp.exp(-jnp.abs(z)))
+        rows = rows + _weighted_rows(loss, weight)
         if compute_counts:
-            count = count + _count_positive(z, start, j, block_v)
-        dz = g[:, None] * _sigmoid(z, e) * w
-        return loss, count, _add_tile_grads(grads, dz, h, items, start)
+            counts = counts + _counts(z, y, fresh)
+        dz = g[:, None] * slope * weight
+        return rows, counts, _add_tile_grads(grads, dz, t.h, items, start)
 
-    init = (jnp.zeros((n,), acc), jnp.zeros((n,), jnp.float32), _zero_grads(hidden, item_weight, bias, acc))
-    loss, count, grads = lax.fori_loop(0, _num_tiles(item_weight.shape[0], block_v), body, init)
-    return (loss, count if compute_counts else None, *grads)
+    init = (jnp.zeros((n,), t.acc), jnp.zeros((2, n), jnp.float32), _zero_grads(hidden, item_weight, bias, t.acc))
+    rows, counts, grads = lax.fori_loop(0, t.num_tiles, body, init)
+    return (rows, counts if compute_counts else None, *grads)
 
 
-def blocked_background_backward(hidden, item_weight, bias, class_weight, g, *, block_v: int):
-    """Returns `(d_hidden [N, D], d_item_weight [V, D], d_bias [V] or None)` in the accumulation dtype."""
-    acc = accumulation_dtype(hidden.dtype)
-    block_v = min(block_v, item_weight.shape[0])
-    h = hidden.astype(acc)
-    g = g.astype(acc)
+def blocked_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, g, *, block_v: int):
+    """Gradients of `sum_n g[n] rows[n]`: `(d_hidden [N, D], d_item_weight [V, D], d_bias [V] or None)`
+    in the accumulation dtype."""
+    t = _Table(hidden, item_weight, bias, class_weight, pos_weight, ids, block_v)
+    g = g.astype(t.acc)
 
     def body(j, grads):
-        z, w, start, items = _tile(h, item_weight, bias, class_weight, j, block_v)
-        dz = g[:, None] * jax.nn.sigmoid(z) * w
-        return _add_tile_grads(grads, dz, h, items, start)
+        z, y, weight, _, start, items = t.tile(j)
+        _, slope = element_terms(z, y, jnp.exp(-jnp.abs(z)))
+        dz = g[:, None] * slope * weight
+        return _add_tile_grads(grads, dz, t.h, items, start)
 
-    init = _zero_grads(hidden, item_weight, bias, acc)
-    return lax.fori_loop(0, _num_tiles(item_weight.shape[0], block_v), body, init)
+    return lax.fori_loop(0, t.num_tiles, body, _zero_grads(hidden, item_weight, bias, t.acc))
 
 
 def _zero_grads(hidden, item_weight, bias, acc):

@@ -4,7 +4,8 @@
 custom_vjp of the per-position rows) uses them, and so does torch_cutbce's torch_xla bridge (through
 `torch_xla.core.xla_builder.call_jax`, whose lowering cache is keyed by the function's id: these are
 module-level functions and must stay so). The backward never re-runs the whole forward: it
-recomputes logit tiles for the gradient and the O(N L D) positive logits, nothing else.
+recomputes the logit tiles for the gradient, nothing else. Every engine computes each element's
+exact loss inside its tile, positives included (`positives.py`).
 `cut_bce_weighted_sum` serves the scalar reductions: their row gradients are known up front, so
 `cut_bce_value_and_grad` computes loss and gradients in one pass over the tiles.
 
@@ -21,11 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_kernels import positives
-from jax_kernels.blocked import (
-    blocked_background_backward,
-    blocked_background_forward,
-    blocked_background_value_and_grad,
-)
+from jax_kernels.blocked import blocked_backward, blocked_forward, blocked_value_and_grad
 
 IMPLS = ("blocked", "pallas")
 
@@ -53,76 +50,74 @@ class CutBCEConfig:
             raise ValueError(f"block_v must be a positive int, got {self.block_v!r}")
 
 
-def _background_forward(config, hidden, item_weight, bias, class_weight):
+def _forward(config, hidden, item_weight, bias, class_weight, pos_weight, ids):
+    """`(rows [N], counts [2, N] or None)`: the exact rows, and the predicted positives and hits."""
     if config.impl == "pallas":
         from jax_kernels.pallas_background import pallas_background_forward
 
-        return pallas_background_forward(
-            hidden, item_weight, bias, class_weight,
+        rows, predicted, hits = pallas_background_forward(
+            hidden, item_weight, bias, class_weight, pos_weight, ids,
             compute_counts=config.compute_metrics, block_sizes=config.block_sizes,
         )
-    return blocked_background_forward(
-        hidden, item_weight, bias, class_weight, block_v=config.block_v, compute_counts=config.compute_metrics
+        return rows, (jnp.stack([predicted, hits]) if config.compute_metrics else None)
+    return blocked_forward(
+        hidden, item_weight, bias, class_weight, pos_weight, ids,
+        block_v=config.block_v, compute_counts=config.compute_metrics,
     )
 
 
-def _background_backward(config, hidden, item_weight, bias, class_weight, g):
+def _backward(config, hidden, item_weight, bias, class_weight, pos_weight, ids, g):
     if config.impl == "pallas":
         from jax_kernels.pallas_background import pallas_background_backward
 
         return pallas_background_backward(
-            hidden, item_weight, bias, class_weight, g, block_sizes=config.block_sizes
+            hidden, item_weight, bias, class_weight, pos_weight, ids, g, block_sizes=config.block_sizes
         )
-    return blocked_background_backward(hidden, item_weight, bias, class_weight, g, block_v=config.block_v)
+    return blocked_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, g, block_v=config.block_v)
 
 
-def _stack_counts(predicted, hits, num_pos, num_items):
-    # TP and FN come from the positives; FP and TN from the dense count of z > 0 minus the TP.
+def _metric_counts(config, counted, ids, num_items):
+    """`[4, N]` TP, FP, FN, TN from the tiles' `[predicted, hits]` (or the `[0, N]` placeholder)."""
+    if not config.compute_metrics:
+        return jnp.zeros((0, ids.shape[0]), jnp.float32)
+    predicted, hits = counted
+    num_pos = positives.num_positives(ids)
     fp = predicted - hits
     return jnp.stack([hits, fp, num_pos - hits, num_items - num_pos - fp])
 
 
-def _no_counts(hidden):
-    return jnp.zeros((0, hidden.shape[0]), jnp.float32)
+def _in_input_dtypes(hidden, item_weight, bias, grads):
+    """Gradients accumulated in float32/float64, returned in the inputs' dtypes."""
+    d_hidden, d_item_weight, d_bias = grads
+    return (
+        d_hidden.astype(hidden.dtype),
+        d_item_weight.astype(item_weight.dtype),
+        None if bias is None else d_bias.astype(bias.dtype),
+    )
 
 
 def cut_bce_forward(hidden, item_weight, targets, bias, class_weight, pos_weight, *, config: CutBCEConfig):
-    """Per-position loss rows of the fused form (reference.py's formula with weight = 1).
+    """Per-position loss rows (reference.py's formula with weight = 1).
 
     Args:
-      hidden: `[N, D]`. item_weight: `[V, D]` (same dtype). targets: `[N, L]` int, negative = padding.
-      bias, class_weight, pos_weight: `[V]` or None.
+      hidden: `[N, D]`. item_weight: `[V, D]` (same dtype). targets: `[N, L]` int; ids outside
+        `[0, V)` are padding. bias, class_weight, pos_weight: `[V]` or None.
 
     Returns:
       `rows [N]` in the accumulation dtype (float32, or float64 for float64 inputs), and with
       `config.compute_metrics` a `[4, N]` float32 array of unweighted TP, FP, FN, TN counts
       (else a `[0, N]` placeholder, so the output structure is always the same pair).
     """
-    num_items = item_weight.shape[0]
-    ids, mask = positives.positive_slots(targets, num_items)
-    background, predicted = _background_forward(config, hidden, item_weight, bias, class_weight)
-    corr, hits, num_pos = positives.correction_forward(hidden, item_weight, bias, class_weight, pos_weight, ids, mask)
-    rows = background.astype(corr.dtype) + corr
-    if not config.compute_metrics:
-        return rows, _no_counts(hidden)
-    return rows, _stack_counts(predicted, hits, num_pos, num_items)
-
-
-def _add_correction(hidden, item_weight, bias, background_grads, correction_grads):
-    """Background + correction gradients, cast to the input dtypes: `(d_hidden, d_item_weight, d_bias)`."""
-    bg, sp = background_grads, correction_grads
-    d_hidden = (bg[0] + sp[0]).astype(hidden.dtype)
-    d_item_weight = (bg[1] + sp[1]).astype(item_weight.dtype)
-    d_bias = None if bias is None else (bg[2] + sp[2]).astype(bias.dtype)
-    return d_hidden, d_item_weight, d_bias
+    ids = positives.positive_ids(targets, item_weight.shape[0])
+    rows, counted = _forward(config, hidden, item_weight, bias, class_weight, pos_weight, ids)
+    return rows, _metric_counts(config, counted, ids, item_weight.shape[0])
 
 
 def cut_bce_backward(hidden, item_weight, targets, bias, class_weight, pos_weight, g, *, config: CutBCEConfig):
     """Gradients of `sum_n g[n] rows[n]`: `(d_hidden, d_item_weight, d_bias or None)` in the input dtypes."""
-    ids, mask = positives.positive_slots(targets, item_weight.shape[0])
-    bg = _background_backward(config, hidden, item_weight, bias, class_weight, g)
-    sp = positives.correction_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, mask, g)
-    return _add_correction(hidden, item_weight, bias, bg, sp)
+    ids = positives.positive_ids(targets, item_weight.shape[0])
+    grads = _backward(config, hidden, item_weight, bias, class_weight, pos_weight, ids, g)
+    return _in_input_dtypes(hidden, item_weight, bias, grads)
 
 
 def cut_bce_value_and_grad(hidden, item_weight, targets, bias, class_weight, pos_weight, g, *, config: CutBCEConfig):
@@ -133,16 +128,13 @@ def cut_bce_value_and_grad(hidden, item_weight, targets, bias, class_weight, pos
     """
     if config.impl != "blocked":
         raise ValueError(f"cut_bce_value_and_grad runs the blocked loop only, got impl={config.impl!r}")
-    num_items = item_weight.shape[0]
-    ids, mask = positives.positive_slots(targets, num_items)
-    background, predicted, *bg = blocked_background_value_and_grad(
-        hidden, item_weight, bias, class_weight, g, block_v=config.block_v, compute_counts=config.compute_metrics
+    ids = positives.positive_ids(targets, item_weight.shape[0])
+    rows, counted, *grads = blocked_value_and_grad(
+        hidden, item_weight, bias, class_weight, pos_weight, ids, g,
+        block_v=config.block_v, compute_counts=config.compute_metrics,
     )
-    corr, hits, num_pos = positives.correction_forward(hidden, item_weight, bias, class_weight, pos_weight, ids, mask)
-    sp = positives.correction_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, mask, g)
-    rows = background.astype(corr.dtype) + corr
-    counts = _stack_counts(predicted, hits, num_pos, num_items) if config.compute_metrics else _no_counts(hidden)
-    return (rows, counts), _add_correction(hidden, item_weight, bias, bg, sp)
+    counts = _metric_counts(config, counted, ids, item_weight.shape[0])
+    return (rows, counts), _in_input_dtypes(hidden, item_weight, bias, grads)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -1,17 +1,10 @@
-"""The sparse correction at the positives, shared by every background implementation.
+"""Where the positives are: padded target ids -> a set of ids per row (JAX; torch twin in torch_cutbce).
 
-The fused form (reference.py, DESIGN.md section 2) writes each row as a dense background
-`sum_v cw[v] softplus(z[n, v])`, which treats every item as a negative, plus a correction over the
-at most L positives of the row:
-
-    corr[n, t] = cw[t] * (pw[t] * softplus(-z[n, t]) - softplus(z[n, t]))     (= -cw[t] z[n, t] if pw = 1)
-
-and the gradient of the correction with respect to z[n, t] is
-
-    dcorr/dz = cw[t] * (pw[t] * (sigmoid(z) - 1) - sigmoid(z))              (= -cw[t] if pw = 1)
-
-so that background + correction give `g cw pw (sigmoid(z) - 1)` at a positive, as BCE does.
-Positive logits are recomputed here from a gather of L item rows (O(N L D), small beside O(N V D)).
+Every implementation takes the positives out of the dense pass inside the tile where they fall
+(DESIGN.md section 2, Precision): an element's loss is `cw softplus(z)` or `cw pw softplus(-z)`,
+chosen element by element, so a confident positive's tiny loss is never lost in a row sum. The
+tiles learn which of their elements are positives from `positive_ids`: the blocked loop scatters
+them into a boolean tile, the Pallas kernels compare the row's ids with the tile's columns.
 """
 
 from __future__ import annotations
@@ -25,76 +18,44 @@ def accumulation_dtype(dtype) -> jnp.dtype:
     return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
 
 
-def positive_slots(targets: jax.Array, num_items: int) -> tuple[jax.Array, jax.Array]:
-    """Turns padded target ids `[N, L]` into a set: `(ids [N, L], mask [N, L] bool)`.
+def positive_ids(targets: jax.Array, num_items: int) -> jax.Array:
+    """Padded ids `[N, L]` -> `[N, L]` int32 ids in `[0, num_items)`, each valid id once, -1 elsewhere.
 
-    Sorting each row puts duplicates side by side, so "first of its run" keeps each id once without
-    an O(L^2) comparison. Ids outside [0, V) are masked (padding); masked slots point at item 0 so
-    that gathers stay in bounds, and their mask zeroes every contribution.
+    Ids outside `[0, V)` are padding. The comparisons run in the targets' own dtype (int64 under
+    x64) before the cast to int32, so no id wraps into another item. Sorting each row puts
+    duplicates side by side, so "first of its run" keeps each id once.
     """
     ids = jnp.sort(targets, axis=-1)
     valid = (ids >= 0) & (ids < num_items)
-    first_of_run = jnp.concatenate(
-        [jnp.ones_like(ids[:, :1], dtype=bool), ids[:, 1:] != ids[:, :-1]], axis=-1
-    )
-    mask = valid & first_of_run
-    return jnp.where(mask, ids, 0).astype(jnp.int32), mask
+    first_of_run = jnp.concatenate([jnp.ones_like(ids[:, :1], dtype=bool), ids[:, 1:] != ids[:, :-1]], axis=-1)
+    return jnp.where(valid & first_of_run, ids, -1).astype(jnp.int32)
 
 
-def _positive_logits(hidden, item_weight, bias, ids):
-    acc = accumulation_dtype(hidden.dtype)
-    rows = item_weight[ids]  # [N, L, D]
-    z = jnp.einsum("nd,nld->nl", hidden, rows, preferred_element_type=acc)
-    if bias is not None:
-        z = z + bias.astype(acc)[ids]
-    return z, rows
+def num_positives(ids: jax.Array) -> jax.Array:
+    """`|T_n|` per row as float32 (the metrics' TP + FN)."""
+    return (ids >= 0).astype(jnp.float32).sum(-1)
 
 
-def _gathered(values, ids, acc):
-    return None if values is None else values.astype(acc)[ids]
+def element_terms(z, y, e):
+    """`(softplus(zs), +-sigmoid(zs))` with `zs = where(y, -z, z)` and `e = exp(-|z|)`.
 
-
-def correction_forward(hidden, item_weight, bias, class_weight, pos_weight, ids, mask):
-    """Returns `(corr_row [N], positive_hits [N], num_positives [N])`.
-
-    `positive_hits` counts positives with z > 0 (the TP of the metrics); `num_positives` is |T_n|.
+    The loss of element (n, v) is `weight * softplus(zs)` and its gradient `g * weight * (+-sigmoid(zs))`
+    (minus at positives), `weight = cw * where(y, pw, 1)`: BCE's two branches without cancellation.
     """
-    acc = accumulation_dtype(hidden.dtype)
-    z, _ = _positive_logits(hidden, item_weight, bias, ids)
-    cw = _gathered(class_weight, ids, acc)
-    pw = _gathered(pos_weight, ids, acc)
-    if pw is None:
-        corr = -z  # softplus(-z) - softplus(z) = -z exactly: no cancellation
-    else:
-        corr = pw * jax.nn.softplus(-z) - jax.nn.softplus(z)
-    if cw is not None:
-        corr = corr * cw
-    corr_row = jnp.where(mask, corr, 0).sum(-1)
-    hits = (mask & (z > 0)).astype(jnp.float32).sum(-1)
-    return corr_row, hits, mask.astype(jnp.float32).sum(-1)
+    zs = jnp.where(y, -z, z)
+    tail = jnp.log1p(e) if z.dtype == jnp.float64 else log1p_unit(e)
+    sigmoid = jnp.where(zs >= 0, 1, e) / (1 + e)
+    return jnp.maximum(zs, 0) + tail, jnp.where(y, -sigmoid, sigmoid)
 
 
-def correction_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, mask, g):
-    """Adds the correction's share of the gradients: `(d_hidden [N, D], d_item_weight [V, D], d_bias [V] | None)`.
+def log1p_unit(e):
+    """log1p(e) for e in [0, 1] without log1p: 2 atanh(t) = 2 t P(t^2), t = e / (2 + e) in [0, 1/3].
 
-    `g [N]` is the upstream gradient of each row; all outputs are in the accumulation dtype.
+    P(s) ~ atanh(sqrt(s)) / sqrt(s) is a degree-4 least-squares fit on s in [0, 1/9] (float64
+    fit): relative error 4e-9 for every e, e -> 0 included, under float32's 6e-8. XLA:CPU's log1p
+    costs about 3x this divide and five multiply-adds (benchmarks/NOTES.md).
     """
-    acc = accumulation_dtype(hidden.dtype)
-    cw = _gathered(class_weight, ids, acc)
-    pw = _gathered(pos_weight, ids, acc)
-    rows = item_weight[ids]
-    if pw is None:
-        dz = -jnp.ones(ids.shape, acc)
-    else:
-        z, rows = _positive_logits(hidden, item_weight, bias, ids)
-        s = jax.nn.sigmoid(z)
-        dz = pw * (s - 1) - s
-    if cw is not None:
-        dz = dz * cw
-    dz = jnp.where(mask, dz * g.astype(acc)[:, None], 0)
-    d_hidden = jnp.einsum("nl,nld->nd", dz, rows.astype(acc))
-    contrib = dz[:, :, None] * hidden.astype(acc)[:, None, :]  # [N, L, D]
-    num_items = item_weight.shape[0]
-    d_item_weight = jnp.zeros(item_weight.shape, acc).at[ids].add(contrib)
-    d_bias = None if bias is None else jnp.zeros((num_items,), acc).at[ids].add(dz)
-    return d_hidden, d_item_weight, d_bias
+    t = e / (2 + e)
+    s = t * t
+    p = 0.33333160203203005 + s * (0.20012325666897016 + s * (0.13982172352698377 + s * 0.1408072687843689))
+    return 2 * t * (1.0000000038619887 + s * p)

@@ -2,14 +2,14 @@
 
 Each device runs the single-device kernels (`core.cut_bce_forward` / `cut_bce_backward`, blocked or
 Pallas) on its own block of positions against its own slice of the table, inside `jax.shard_map`.
-The math needs no other change, because the fused form is a sum over items: shard s owns items
+The math needs no other change, because the loss is a sum over items: shard s owns items
 `[offset, offset + V_local)` with `offset = s * V_local`, and
 
-    row[n] = sum_s ( sum_{v in shard s} cw softplus(z)  +  sum_{v in T_n, v in shard s} correction )
+    row[n] = sum_s sum_{v in shard s} l[n, v]
 
-The sparse half works on local ids `targets - offset`; `positives.positive_slots` already masks ids
-outside `[0, V_local)`, so each positive is corrected on exactly one shard. Likewise the counts
-(TP, FN from the positives; FP, TN from the local dense count) add up over shards.
+Each shard works on local ids `targets - offset`; `positives.positive_ids` drops ids outside
+`[0, V_local)`, so each positive is a positive on exactly one shard. Likewise the counts (TP and
+FN from the tiles' positives, FP and TN from the local count of z > 0) add up over shards.
 
 Collectives, all outside the tile loop (a constant number per call, whatever V / block_v is):
 - forward: one psum over the vocab axis of the rows and the counts, stacked into one array;

@@ -35,18 +35,31 @@ def _tile(shape, seed):
     z = torch.randn(shape, generator=g) * 6  # |z| up to ~30: both branches of every where()
     # Exactly 0, exp(-|z|) underflow, a subnormal exp(-|z|), and 2 exp(|z|) = inf (rows' t = 0 path).
     z[0, :4] = torch.tensor([0.0, 88.0, -103.0, -89.5])
-    return z, torch.rand(shape[0], 1, generator=g) + 0.1, torch.rand(1, shape[1], generator=g) * 2
+    y = torch.rand(shape, generator=g) < 0.2  # positives, confident ones among them
+    return z, y, torch.rand(shape[0], 1, generator=g) + 0.1, torch.rand(1, shape[1], generator=g) * 2
 
 
 def _eager(monkeypatch):
     monkeypatch.setenv("TORCH_CUTBCE_NO_COMPILE", "1")
 
 
+def _tile_truth(z, y, g, cw, pw):
+    """float64 element losses and gradients of one tile, BCE's two branches written separately."""
+    z64, g64 = z.double(), g.double()
+    cw64 = torch.ones(1, z.shape[1], dtype=torch.float64) if cw is None else cw.double()
+    pw64 = torch.ones(1, z.shape[1], dtype=torch.float64) if pw is None else pw.double()
+    softplus = lambda x: x.clamp(min=0) + torch.log1p(torch.exp(-x.abs()))  # noqa: E731
+    loss = torch.where(y, pw64 * softplus(-z64), softplus(z64)) * cw64
+    dz = torch.where(y, -pw64 * torch.sigmoid(-z64), torch.sigmoid(z64)) * cw64 * g64
+    return loss.sum(-1), dz
+
+
 @pytest.mark.parametrize("shape", TILE_SHAPES)
-@pytest.mark.parametrize("with_cw", [True, False])
-def test_compiled_tile_functions_match_their_eager_twins(shape, with_cw, monkeypatch):
-    z, g, cw = _tile(shape, seed=shape[0])
-    cw = cw if with_cw else None
+@pytest.mark.parametrize("weights", ["none", "cw", "pw", "both"])
+def test_compiled_tile_functions_match_their_eager_twins(shape, weights, monkeypatch):
+    z, y, g, cw = _tile(shape, seed=shape[0])
+    pw = cw.flip(-1) + 0.5 if weights in ("pw", "both") else None
+    cw = cw if weights in ("cw", "both") else None
     results = {}
     for mode in ("compiled", "eager"):
         if mode == "eager":
@@ -54,24 +67,24 @@ def test_compiled_tile_functions_match_their_eager_twins(shape, with_cw, monkeyp
         zc = z.clone()
         out_rg, out_g = torch.full_like(z, np.nan), torch.full_like(z, np.nan)
         results[mode] = {
-            "rows": fused_tile.rows(zc, cw),
-            "rows_grad": fused_tile.rows_grad(zc, g, cw, out=out_rg),
+            "rows": fused_tile.rows(zc, y, cw, pw),
+            "rows_grad": fused_tile.rows_grad(zc, y, cw, pw, g, out=out_rg),
             "dz": out_rg,
-            "counts": fused_tile.counts(zc),
+            "counts": fused_tile.counts(zc, y),
         }
-        fused_tile.grad(zc, g, cw, out=out_g)
+        fused_tile.grad(zc, y, cw, pw, g, out=out_g)
         results[mode]["dz_grad"] = out_g
         assert torch.equal(zc, z), "the logits tile must not be modified"
-    z64 = z.double()
-    e = torch.exp(-z64.abs())
-    sigmoid = torch.where(z64 >= 0, 1.0, e) / (1 + e)
-    cw64 = torch.ones(1, shape[1], dtype=torch.float64) if cw is None else cw.double()
-    truth_rows = ((z64.clamp(min=0) + torch.log1p(e)) * cw64).sum(-1)
-    truth = {"rows": truth_rows, "rows_grad": truth_rows, "dz": sigmoid * g.double() * cw64,
-             "counts": (z64 > 0).sum(-1).float(), "dz_grad": sigmoid * g.double() * cw64}
+    truth_rows, truth_dz = _tile_truth(z, y, g, cw, pw)
+    truth_counts = torch.stack([(z > 0).sum(-1), ((z > 0) & y).sum(-1)]).float()
+    truth = {"rows": truth_rows, "rows_grad": truth_rows, "dz": truth_dz, "counts": truth_counts,
+             "dz_grad": truth_dz}
     assert_close(results["compiled"], truth, dtype="float32", name="compiled tile")
     assert_close(results["eager"], truth, dtype="float32", name="eager tile")
     assert torch.equal(results["compiled"]["counts"], truth["counts"])
+    for mode in ("compiled", "eager"):  # each row on its own, not only the largest (confident positives)
+        rel = ((results[mode]["rows"].double() - truth_rows).abs() / truth_rows.abs()).max()
+        assert rel <= 1e-5, f"{mode}: a row's relative error is {rel:.2e}"
 
 
 def test_polynomial_log1p_is_float32_exact():
@@ -147,12 +160,12 @@ def test_a_failing_compiler_falls_back_to_eager_with_one_warning(monkeypatch):
 
     monkeypatch.setattr(fused_tile, "_compiled", broken)
     monkeypatch.setattr(fused_tile, "_compile_failed", False)
-    z, g, cw = _tile((9, 20), seed=1)
+    z, y, _, cw = _tile((9, 20), seed=1)
     with pytest.warns(UserWarning, match="using eager tiles"):
-        rows = fused_tile.rows(z, cw)
+        rows = fused_tile.rows(z, y, cw, None)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once: later calls go straight to eager
-        torch.testing.assert_close(fused_tile.rows(z, cw), rows)
+        torch.testing.assert_close(fused_tile.rows(z, y, cw, None), rows)
 
 
 def test_new_shapes_do_not_recompile():

@@ -1,47 +1,31 @@
 """The elementwise work on one `[block_n, block_v]` logits tile, fused and compiled once per process.
 
-Each function is one pass over the tile (the matmuls around them stay in `native.py`):
+Each element is a negative or a positive of its row (`y`, a boolean tile from
+`positives.TileTargets`), and its loss is chosen element by element (DESIGN.md section 2):
 
-    rows(z, cw)          -> sum_v cw[v] softplus(z[n, v])
-    rows_grad(z, g, cw, out) -> the same, and writes dz = g[n] cw[v] sigmoid(z) into `out`
-    grad(z, g, cw, out)      -> writes dz = g[n] cw[v] sigmoid(z) into `out`
-    counts(z)            -> #{v : z[n, v] > 0}   (metrics only; a separate pass, see below)
+    l  = cw pw softplus(-z)        if y      (a positive)
+         cw softplus(z)             otherwise
+    dz = -g cw pw sigmoid(-z)       if y
+         g cw sigmoid(z)            otherwise
 
-One exponential serves both softplus and sigmoid (e = exp(-|z|) is in (0, 1], never overflows):
+Written with `zs = where(y, -z, z)` (the logit seen from the element's own label) this is
+`weight * softplus(zs)` and `+-g weight sigmoid(zs)`, `weight = cw * where(y, pw, 1)`: no
+`softplus(z) - z`, so a confident positive's tiny loss is never lost in a sum. One exponential
+e = exp(-|z|) in (0, 1] serves both: softplus(zs) = max(zs, 0) + log1p(e) and
+sigmoid(zs) = where(zs >= 0, 1, e) / (1 + e), exact to rounding for any z.
 
-    softplus(z) = max(z, 0) + log1p(e)
-    sigmoid(z)  = 1 / (1 + e)   if z >= 0,   e / (1 + e)   otherwise
+    rows(z, y, cw, pw)                -> sum_v l[n, v]
+    rows_grad(z, y, cw, pw, g, out)   -> the same, and writes dz into `out`
+    grad(z, y, cw, pw, g, out)        -> writes dz into `out`
+    counts(z, y)                      -> [2, bn]: #{v : z > 0} and #{v : y and z > 0} (metrics)
 
-Both are exact to float rounding for any z (no cancellation: 1 + e is in [1, 2]).
-
-log1p is the expensive part (Sleef's vectorized log1p costs about 4x an exp here, as log1p does on
-XLA:CPU), so the compiled float32 functions evaluate it on e in (0, 1] as
-
-    log1p(e) = 2 atanh(t) = 2 t P(t^2),   t = e / (2 + e) in (0, 1/3]
-
-with P the degree-4 least-squares fit of atanh(sqrt(s)) / sqrt(s) on s in [0, 1/9]: relative
-error 4e-9 everywhere, including e -> 0 (below float32's rounding, 6e-8), for one divide and five
-multiply-adds. The eager twins call torch.log1p.
-
-float32 tiles (the accumulation dtype of float32, bfloat16 and float16 inputs) run a
-`torch.compile`d version of each function: inductor fuses the exp, log1p, divide, row sums and the
-store of dz into one vectorized C++ loop (Triton on CUDA), where eager PyTorch makes about ten
-passes over the tile. The tile sizes are dynamic (compiled once, not per shape). Everything else
-runs the eager twin, which does the same math with in-place ops:
-- float64 tiles (the precision path; compiling it too would double the first-call cost),
-- tiles with a side of length 1 (dynamo specializes sizes 0 and 1: that would recompile),
-- `TORCH_CUTBCE_NO_COMPILE=1` in the environment (read at call time),
-- devices without a compiler (CUDA without triton), and any failure to compile (warned once).
-
-dz goes to a second buffer, not back into z: asked to overwrite its input, inductor 2.9 either
-allocated a temporary tile and copied it back (a second pass and a second tile) or, with the counts
-in the same function, scheduled the count's read of z after the store (it counted dz > 0). With a
-distinct `out` it writes dz in the same loop that reads z. The counts are a separate read-only
-pass, taken only when metrics are asked for. tests/test_fast_paths.py checks every compiled
-function against its eager twin.
-
-`compile_seconds()` reports what the first call of each compiled function cost in this process
-(inductor also caches compiled code on disk, so a second process pays less).
+float32 tiles run a `torch.compile`d version (one vectorized loop per function, where eager
+PyTorch makes about ten passes), with log1p as a polynomial (`_log1p_unit`, relative error 4e-9:
+Sleef's log1p costs about 4 exps). Everything else runs the eager twin: float64 tiles, tiles with
+a side of length 1 (dynamo would specialize and recompile), `TORCH_CUTBCE_NO_COMPILE=1`, devices
+without a compiler, and any failure to compile (warned once). dz goes to a distinct buffer
+`out`: asked to overwrite z, inductor 2.9 made a second pass. Measurements: benchmarks/NOTES.md;
+tests/test_fast_paths.py checks every compiled function against its eager twin.
 """
 
 from __future__ import annotations
@@ -66,11 +50,11 @@ def compile_seconds() -> dict[str, float]:
 
 
 def _log1p_unit(e):
-    """log1p(e) for e in [0, 1]: 2 t P(t^2) with t = e / (2 + e).
+    """log1p(e) for e in [0, 1]: 2 atanh(t) = 2 t P(t^2) with t = e / (2 + e) in [0, 1/3].
 
-    P(s) ~ atanh(sqrt(s)) / sqrt(s) on [0, 1/9], lowest order first (least squares in float64; see
-    the module docstring). The coefficients are literals, not a global tuple: dynamo would lift
-    global floats into float64 graph inputs.
+    P(s) ~ atanh(sqrt(s)) / sqrt(s) on [0, 1/9] (a degree-4 least-squares fit in float64), relative
+    error 4e-9 for every e, e -> 0 included. The coefficients are literals, not a global tuple:
+    dynamo would lift global floats into float64 graph inputs.
     """
     return _log1p_from_t(e / (2 + e))
 
@@ -82,78 +66,87 @@ def _log1p_from_t(t):
     return 2 * t * (1.0000000038619887 + s * p)
 
 
-def _rows(z, cw):
-    # t = e / (2 + e) written as 1 / (2 exp(|z|) + 1), so that the exponential has one user: inductor
-    # on CPU writes an exp with several users to memory before a reduction (two loops over the tile),
-    # one user keeps one loop, 1.7 -> 1.2 ns per element (NOTES.md). exp(|z|) = inf for |z| > 88
-    # gives t = 0, the float32 log1p(e) there is a denormal (< 1e-38): flushed, not an error.
-    # rows_grad's dz store shares the reduction's loop, and there everything fuses into one anyway.
+def _rows(z, y, cw, pw):
+    # t = e / (2 + e) written as 1 / (2 exp(|z|) + 1), so the exponential has one user: inductor on
+    # CPU writes an exp with several users to memory before a reduction (two loops over the tile).
+    # exp(|z|) = inf for |z| > 88 gives t = 0: log1p(e) is then below float32's smallest normal.
+    zs = torch.where(y, -z, z)
     t = 1 / (2 * torch.exp(z.abs()) + 1)
-    return ((torch.clamp_min(z, 0) + _log1p_from_t(t)) * cw).sum(-1)
+    return ((torch.clamp_min(zs, 0) + _log1p_from_t(t)) * (cw * torch.where(y, pw, 1.0))).sum(-1)
 
 
-def _rows_grad(z, cw, g, out):
+def _rows_grad(z, y, cw, pw, g, out):
     e = torch.exp(-z.abs())
-    softplus = torch.clamp_min(z, 0) + _log1p_unit(e)
-    sigmoid = torch.where(z >= 0, 1.0, e) / (1 + e)
-    rows = (softplus * cw).sum(-1)
-    out.copy_(sigmoid * (g * cw))
+    zs = torch.where(y, -z, z)
+    weight = cw * torch.where(y, pw, 1.0)
+    rows = ((torch.clamp_min(zs, 0) + _log1p_unit(e)) * weight).sum(-1)
+    sigmoid = torch.where(zs >= 0, 1.0, e) / (1 + e)
+    out.copy_(torch.where(y, -sigmoid, sigmoid) * (g * weight))
     return rows
 
 
-def _grad(z, cw, g, out):
+def _grad(z, y, cw, pw, g, out):
     e = torch.exp(-z.abs())
-    out.copy_(torch.where(z >= 0, 1.0, e) / (1 + e) * (g * cw))
+    zs = torch.where(y, -z, z)
+    sigmoid = torch.where(zs >= 0, 1.0, e) / (1 + e)
+    out.copy_(torch.where(y, -sigmoid, sigmoid) * (g * (cw * torch.where(y, pw, 1.0))))
 
 
-def _counts(z):
-    return (z > 0).sum(-1, dtype=torch.float32)
+def _counts(z, y):
+    positive = z > 0
+    return torch.stack([positive.sum(-1, dtype=torch.float32), (positive & y).sum(-1, dtype=torch.float32)])
 
 
 _FUNCTIONS = {"rows": _rows, "rows_grad": _rows_grad, "grad": _grad, "counts": _counts}
 
 
-# -- eager twins: the same formulas, in place, at most two extra tiles alive ----------------------
+# -- eager twins: the same formulas, in place where they can be ----------------------------------
 
 
-def _eager_exp_neg_abs(z):
-    return z.abs().neg_().exp_()
+def _eager_weight(y, cw, pw):
+    """`cw * where(y, pw, 1)`: None (all ones), a `[1, bv]` row, or a `[bn, bv]` tile."""
+    if pw is None:
+        return cw
+    return torch.where(y, pw if cw is None else pw * cw, 1.0 if cw is None else cw)
 
 
-def _eager_rows(z, e, cw):
-    softplus = torch.log1p(e).add_(z.clamp(min=0))
-    return softplus.sum(-1) if cw is None else softplus @ cw[0]
+def _eager_signed(z, y):
+    """`(zs, e)`: the logit seen from each element's label, and exp(-|z|)."""
+    return torch.where(y, z.neg(), z), z.abs().neg_().exp_()
 
 
-def _eager_rows_only(z, cw):
-    return _eager_rows(z, _eager_exp_neg_abs(z), cw)
+def _eager_rows(zs, e, weight):
+    loss = e.log1p_().add_(zs.clamp_(min=0))  # consumes zs and e
+    if weight is None:
+        return loss.sum(-1)
+    return loss @ weight[0] if weight.shape[0] == 1 else loss.mul_(weight).sum(-1)
 
 
-def _eager_sigmoid_into(out, z, e, g, cw):
-    denominator = e + 1
-    e.masked_fill_(z >= 0, 1.0)
-    torch.div(e, denominator, out=out)
+def _eager_grad_into(out, zs, y, e, weight, g):
+    torch.div(torch.where(zs >= 0, 1.0, e), e + 1, out=out)
+    torch.where(y, out.neg(), out, out=out)
     out.mul_(g)
-    if cw is not None:
-        out.mul_(cw)
+    if weight is not None:
+        out.mul_(weight)
 
 
-def _eager_rows_grad(z, cw, g, out):
-    e = _eager_exp_neg_abs(z)
-    rows = _eager_rows(z, e, cw)
-    _eager_sigmoid_into(out, z, e, g, cw)
-    return rows
+def _eager_rows_only(z, y, cw, pw):
+    return _eager_rows(*_eager_signed(z, y), _eager_weight(y, cw, pw))
 
 
-def _eager_grad(z, cw, g, out):
-    _eager_sigmoid_into(out, z, _eager_exp_neg_abs(z), g, cw)
+def _eager_rows_grad(z, y, cw, pw, g, out):
+    zs, e = _eager_signed(z, y)
+    weight = _eager_weight(y, cw, pw)
+    _eager_grad_into(out, zs, y, e, weight, g)
+    return _eager_rows(zs, e, weight)
 
 
-def _eager_counts(z):
-    return (z > 0).sum(-1, dtype=torch.float32)
+def _eager_grad(z, y, cw, pw, g, out):
+    zs, e = _eager_signed(z, y)
+    _eager_grad_into(out, zs, y, e, _eager_weight(y, cw, pw), g)
 
 
-_EAGER = {"rows": _eager_rows_only, "rows_grad": _eager_rows_grad, "grad": _eager_grad, "counts": _eager_counts}
+_EAGER = {"rows": _eager_rows_only, "rows_grad": _eager_rows_grad, "grad": _eager_grad, "counts": _counts}
 
 
 # -- dispatch -----------------------------------------------------------------------------------------
@@ -183,43 +176,50 @@ def _can_compile(z: torch.Tensor) -> bool:
     return False
 
 
-def _run(name: str, z: torch.Tensor, *args):
-    """`args` are `(cw, g, out)` or a prefix of it (counts: none)."""
+def _run(name: str, z: torch.Tensor, y: torch.Tensor, *args):
+    """`args` are `(cw, pw, g, out)`, `(cw, pw)` or none (counts)."""
     global _compile_failed
     if not _can_compile(z):
-        return _EAGER[name](z, *args)
-    compiled_args = args
-    if args and args[0] is None:  # one kernel for both: a ones row costs one multiply per element
-        compiled_args = (torch.ones((1, z.shape[1]), dtype=z.dtype, device=z.device), *args[1:])
+        return _EAGER[name](z, y, *args)
+    # One kernel per function: a missing weight is a ones row (one multiply per element).
+    ones = None
+    compiled_args = list(args)
+    for k in range(min(2, len(args))):
+        if args[k] is None:
+            ones = torch.ones((1, z.shape[1]), dtype=z.dtype, device=z.device) if ones is None else ones
+            compiled_args[k] = ones
     first = name not in _compile_seconds
     start = time.perf_counter()
     try:
-        out = _compiled(name, torch.get_num_threads())(z, *compiled_args)
+        out = _compiled(name, torch.get_num_threads())(z, y, *compiled_args)
     except Exception as error:  # a missing compiler, an inductor bug: the eager twin is exact too
         _compile_failed = True
         warnings.warn(f"torch_cutbce: torch.compile of the tile function failed ({error!r}); "
                       f"using eager tiles from now on (set TORCH_CUTBCE_NO_COMPILE=1 to skip the attempt)")
-        return _EAGER[name](z, *args)
+        return _EAGER[name](z, y, *args)
     if first:
         _compile_seconds[name] = time.perf_counter() - start
     return out
 
 
-def rows(z: torch.Tensor, cw: torch.Tensor | None) -> torch.Tensor:
-    """`sum_v cw[v] softplus(z[n, v])` `[bn]` of a logits tile `z [bn, bv]`; `cw [1, bv]` or None."""
-    return _run("rows", z, cw)
+# Shapes: z and out `[bn, bv]` (contiguous), y `[bn, bv]` bool, cw and pw `[1, bv]` or None, g `[bn, 1]`.
 
 
-def rows_grad(z: torch.Tensor, g: torch.Tensor, cw: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-    """`rows(z, cw)`, and writes `dz = g cw sigmoid(z)` into `out` (contiguous, like z); `g [bn, 1]`."""
-    return _run("rows_grad", z, cw, g, out)
+def rows(z: torch.Tensor, y: torch.Tensor, cw: torch.Tensor | None, pw: torch.Tensor | None) -> torch.Tensor:
+    """`sum_v l[n, v]` `[bn]`: each row's loss over the tile (module docstring)."""
+    return _run("rows", z, y, cw, pw)
 
 
-def grad(z: torch.Tensor, g: torch.Tensor, cw: torch.Tensor | None, out: torch.Tensor) -> None:
-    """Writes `dz = g cw sigmoid(z)` into `out` (contiguous, like z)."""
-    _run("grad", z, cw, g, out)
+def rows_grad(z, y, cw, pw, g: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`rows(z, y, cw, pw)`, and writes `dz` for the row gradient `g` into `out`."""
+    return _run("rows_grad", z, y, cw, pw, g, out)
 
 
-def counts(z: torch.Tensor) -> torch.Tensor:
-    """`#{v : z[n, v] > 0}` `[bn]` float32: the metrics' predicted positives."""
-    return _run("counts", z)
+def grad(z, y, cw, pw, g: torch.Tensor, out: torch.Tensor) -> None:
+    """Writes `dz` for the row gradient `g` into `out`."""
+    _run("grad", z, y, cw, pw, g, out)
+
+
+def counts(z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """`[2, bn]` float32: predicted positives `#{v : z > 0}` and hits `#{v : y and z > 0}` (the TP)."""
+    return _run("counts", z, y)

@@ -1,36 +1,25 @@
 """The native chunked path for CPU and CUDA tensors: `torch.autograd.Function`s over vocabulary tiles.
 
-Extra memory is O(N x block_v) for one logits tile and its gradient (two buffers, reused by every tile), plus
-O(N L D) for the positives, whatever V is; nothing of size N x V exists. The math is the fused form
-of `jax_kernels/reference.py`: a dense background over tiles plus the sparse correction of
-`positives.py`. The elementwise work on a tile is one fused pass (`fused_tile.py`).
+Extra memory is O(N x block_v) for one logits tile, its gradient and its positives mask (buffers
+reused by every tile), whatever V is; nothing of size N x V exists. Each tile computes every
+element's exact loss, positives included (`fused_tile.py`; the tile's positives are marked by
+`positives.TileTargets`), so no correction is added afterwards.
 
-Two Functions:
 - `NativeCutBCERows` returns the per-position rows (reduction='none'); its backward recomputes
   each logits tile (saved: the inputs only) for an arbitrary upstream gradient g[n].
-- `NativeCutBCELoss` returns the 'sum' or 'mean' loss, weight included. There the upstream
-  gradient of row n is known up to one scalar before the backward starts:
+- `NativeCutBCELoss` returns the 'sum' / 'mean' loss `sum_n weight[n] rows[n] / divisor`. Its row
+  gradient `g[n] = weight[n] / divisor` is known before the forward, so the forward computes the
+  gradients from the logits tile it already holds (3 matmuls per tile instead of 4) and the
+  backward scales them by the incoming scalar; `weight` gets `rows[n] / divisor`. The graph can
+  therefore be backpropagated once (use reduction='none' for retain_graph).
 
-      loss = sum_n weight[n] rows[n] / divisor       (divisor = 1 for 'sum', N V for 'mean')
-      d loss / d rows[n] = weight[n] / divisor  =: g[n]
-
-  so the forward computes the gradients of `sum_n g[n] rows[n]` from the very logits tile it
-  already holds (dz = g cw sigmoid(z) shares softplus's exponential), and the backward only
-  multiplies them by the incoming scalar. That saves the backward's recomputed logits matmul and
-  its second elementwise pass: 3 matmul passes instead of 4. `weight` gets
-  `d loss / d weight[n] = rows[n] / divisor` times the scalar. The forward skips the gradient work
-  when grad mode is off or nothing it would differentiate requires grad. Because the backward scales
-  the precomputed gradients in place, the graph can be backpropagated once (retain_graph=True and a
-  second backward raise); use reduction='none' and sum it yourself for that.
-
-Both compute only the gradients autograd asks for (`ctx.needs_input_grad`): with a frozen item
-table, for example, the `[V, D]` gradient and its matmul are skipped.
+Both compute only the gradients autograd asks for (`ctx.needs_input_grad`), and neither is twice
+differentiable (a second-order backward raises).
 """
 
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from torch_cutbce import fused_tile, positives
 
@@ -43,17 +32,23 @@ def _tiles(num_items: int, block_v: int):
 class _Tiles:
     """Logits tiles `z = h @ item_weight[start:stop].T + bias[start:stop]` written into one reused buffer.
 
-    Yields `(start, stop, z, dz, items, cw)`. Each tile is a contiguous `[N, stop - start]` view of
-    a flat buffer (the ragged last tile too), so the compiled tile functions always see the same
-    layout. With `with_grad`, `dz` is a view of a second buffer for the tile's gradient.
+    Yields `(start, stop, z, y, dz, items, cw, pw)`: `y` marks the tile's positives, `cw` and `pw`
+    are `[1, bv]` rows or None. Each tile is a contiguous `[N, stop - start]` view of a flat buffer
+    (the ragged last tile too), so the compiled tile functions always see the same layout. With
+    `with_grad`, `dz` is a view of a second buffer for the tile's gradient.
     """
 
-    def __init__(self, h, item_weight, bias, class_weight, block_v, with_grad=False):
-        self.h, self.item_weight, self.bias, self.class_weight = h, item_weight, bias, class_weight
+    def __init__(self, h, item_weight, bias, class_weight, pos_weight, ids, block_v, with_grad=False):
+        self.h, self.item_weight, self.bias = h, item_weight, bias
+        self.class_weight, self.pos_weight = class_weight, pos_weight
         self.block_v = block_v
+        self.targets = positives.TileTargets(ids, min(block_v, item_weight.shape[0]))
         size = h.shape[0] * min(block_v, item_weight.shape[0])
         self.buffer = torch.empty(size, dtype=h.dtype, device=h.device)
         self.grad_buffer = torch.empty(size, dtype=h.dtype, device=h.device) if with_grad else None
+
+    def _row(self, values, start, stop):
+        return None if values is None else values[start:stop].to(self.h.dtype).unsqueeze(0)
 
     def __iter__(self):
         h, acc, n = self.h, self.h.dtype, self.h.shape[0]
@@ -64,9 +59,11 @@ class _Tiles:
                 torch.mm(h, items.T, out=z)
             else:
                 torch.addmm(self.bias[start:stop].to(acc), h, items.T, out=z)
-            cw = None if self.class_weight is None else self.class_weight[start:stop].to(acc).unsqueeze(0)
             dz = None if self.grad_buffer is None else self.grad_buffer[: z.numel()].view(z.shape)
-            yield start, stop, z, dz, items, cw
+            y = self.targets.mark(start, stop)
+            yield (start, stop, z, y, dz, items,
+                   self._row(self.class_weight, start, stop), self._row(self.pos_weight, start, stop))
+            self.targets.unmark()
 
 
 def _add_tile_grads(dz, items, h, start, stop, d_hidden, d_items, d_bias):
@@ -80,9 +77,18 @@ def _add_tile_grads(dz, items, h, start, stop, d_hidden, d_items, d_bias):
 
 
 def _metric_counts(predicted, hits, num_pos, num_items):
-    # TP and FN come from the positives; FP and TN from the dense count of z > 0 minus the TP.
+    # FP and TN from the dense count of z > 0 minus the TP; FN from the row's number of positives.
     fp = predicted - hits
     return torch.stack([hits, fp, num_pos - hits, num_items - num_pos - fp])
+
+
+def _grad_buffers(h, item_weight, bias, need_h, need_items, need_bias):
+    """Accumulators `(d_hidden, d_items, d_bias)` in the accumulation dtype, None where not needed."""
+    return (
+        torch.zeros_like(h) if need_h else None,
+        torch.empty(item_weight.shape, dtype=h.dtype, device=h.device) if need_items else None,
+        torch.empty(item_weight.shape[0], dtype=h.dtype, device=h.device) if need_bias else None,
+    )
 
 
 def _cast(grad, like):
@@ -90,53 +96,61 @@ def _cast(grad, like):
     return None if grad is None else grad.to(like.dtype)
 
 
+def _refuse_double_backward():
+    # create_graph=True runs the backward with grad mode on: say so instead of failing inside mm(out=).
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "cut_bce_with_logits is not twice differentiable: its backward is a hand-written pass "
+            "over the tiles, not a differentiable graph (backward(create_graph=True) and "
+            "torch.autograd.grad(..., create_graph=True) are not supported)"
+        )
+
+
 class NativeCutBCERows(torch.autograd.Function):
-    """Per-position rows of the fused form (weight = 1) and, optionally, the `[4, N]` TP/FP/FN/TN counts."""
+    """Per-position rows (weight = 1) and, optionally, the `[4, N]` TP/FP/FN/TN counts.
+
+    `targets [N, L]` are global ids; the table holds items `[offset, offset + V)` (vocab-parallel
+    ranks pass their slice's start), other ids are ignored like padding.
+    """
 
     @staticmethod
-    def forward(ctx, hidden, item_weight, bias, class_weight, pos_weight, targets, block_v, compute_metrics):
+    def forward(ctx, hidden, item_weight, bias, class_weight, pos_weight, targets, block_v, compute_metrics,
+                offset=0):
         acc = positives.accumulation_dtype(hidden.dtype)
-        num_items = item_weight.shape[0]
+        n, num_items = hidden.shape[0], item_weight.shape[0]
+        ids = positives.positive_ids(targets, num_items, offset)
         h = hidden.to(acc)
-        rows = torch.zeros(hidden.shape[0], dtype=acc, device=hidden.device)
-        predicted = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        for _, _, z, _, _, cw in _Tiles(h, item_weight, bias, class_weight, block_v):
+        rows = torch.zeros(n, dtype=acc, device=hidden.device)
+        counted = torch.zeros((2, n), dtype=torch.float32, device=hidden.device)
+        for _, _, z, y, _, _, cw, pw in _Tiles(h, item_weight, bias, class_weight, pos_weight, ids, block_v):
             if compute_metrics:
-                predicted += fused_tile.counts(z)
-            rows += fused_tile.rows(z, cw)
-        ids, mask = positives.positive_slots(targets, num_items)
-        corr, hits, num_pos = positives.correction_forward(h, item_weight, bias, class_weight, pos_weight, ids, mask)
-        rows += corr
+                counted += fused_tile.counts(z, y)
+            rows += fused_tile.rows(z, y, cw, pw)
         if compute_metrics:
-            counts = _metric_counts(predicted, hits, num_pos, num_items)
+            counts = _metric_counts(*counted, positives.num_positives(ids), num_items)
         else:
-            counts = rows.new_zeros((0, hidden.shape[0]), dtype=torch.float32)
+            counts = rows.new_zeros((0, n), dtype=torch.float32)
         ctx.mark_non_differentiable(counts)
-        ctx.save_for_backward(hidden, item_weight, bias, class_weight, pos_weight, targets)
+        ctx.save_for_backward(hidden, item_weight, bias, class_weight, pos_weight, ids)
         ctx.block_v = block_v
         return rows, counts
 
     @staticmethod
     def backward(ctx, g_rows, _g_counts):
-        hidden, item_weight, bias, class_weight, pos_weight, targets = ctx.saved_tensors
+        _refuse_double_backward()
+        hidden, item_weight, bias, class_weight, pos_weight, ids = ctx.saved_tensors
         need_h, need_items, need_bias = ctx.needs_input_grad[:3]
-        acc = positives.accumulation_dtype(hidden.dtype)
-        h = hidden.to(acc)
-        g = g_rows.to(acc).unsqueeze(-1).contiguous()
-        d_hidden = torch.zeros_like(h) if need_h else None
-        d_items = torch.empty(item_weight.shape, dtype=acc, device=h.device) if need_items else None
-        d_bias = torch.empty(item_weight.shape[0], dtype=acc, device=h.device) if need_bias else None
+        h = hidden.to(positives.accumulation_dtype(hidden.dtype))
+        g = g_rows.to(h.dtype).unsqueeze(-1).contiguous()
+        d_hidden, d_items, d_bias = _grad_buffers(h, item_weight, bias, need_h, need_items, need_bias)
         if need_h or need_items or need_bias:
-            for start, stop, z, dz, items, cw in _Tiles(h, item_weight, bias, class_weight, ctx.block_v, True):
-                fused_tile.grad(z, g, cw, out=dz)  # dz = g cw sigmoid(z): the background's gradient
+            tiles = _Tiles(h, item_weight, bias, class_weight, pos_weight, ids, ctx.block_v, with_grad=True)
+            for start, stop, z, y, dz, items, cw, pw in tiles:
+                fused_tile.grad(z, y, cw, pw, g, out=dz)
                 _add_tile_grads(dz, items, h, start, stop, d_hidden, d_items, d_bias)
-            ids, mask = positives.positive_slots(targets, item_weight.shape[0])
-            positives.correction_backward(
-                h, item_weight, bias, class_weight, pos_weight, ids, mask, g_rows, d_hidden, d_items, d_bias
-            )
         return (
             _cast(d_hidden, hidden), _cast(d_items, item_weight), _cast(d_bias, bias),
-            None, None, None, None, None,
+            None, None, None, None, None, None,
         )
 
 
@@ -151,38 +165,31 @@ class NativeCutBCELoss(torch.autograd.Function):
                 compute_metrics, grad_enabled):
         acc = positives.accumulation_dtype(hidden.dtype)
         num_items, n = item_weight.shape[0], hidden.shape[0]
+        ids = positives.positive_ids(targets, num_items)
         need_h, need_items, need_bias = (grad_enabled and need for need in ctx.needs_input_grad[:3])
         h = hidden.to(acc)
-        # g[n] = d loss / d rows[n] for an upstream gradient of 1 (the backward rescales).
-        g = torch.full((n,), 1.0 / divisor, dtype=acc, device=h.device)
-        if weight is not None:
-            g = g * weight.detach().to(acc)
+        # g[n] = d loss / d rows[n] for an upstream gradient of 1 (the backward rescales). A tensor
+        # division: 'mean' over zero positions divides by 0 and gives nan, as torch does.
+        g = torch.ones(n, dtype=acc, device=h.device) if weight is None else weight.detach().to(acc)
+        g = g / torch.tensor(divisor, dtype=acc)
         g_column = g.unsqueeze(-1).contiguous()
-        d_hidden = torch.zeros_like(h) if need_h else None
-        d_items = torch.empty(item_weight.shape, dtype=acc, device=h.device) if need_items else None
-        d_bias = torch.empty(num_items, dtype=acc, device=h.device) if need_bias else None
+        d_hidden, d_items, d_bias = _grad_buffers(h, item_weight, bias, need_h, need_items, need_bias)
         with_grads = need_h or need_items or need_bias
         rows = torch.zeros(n, dtype=acc, device=h.device)
-        predicted = torch.zeros(n, dtype=torch.float32, device=h.device)
-        for start, stop, z, dz, items, cw in _Tiles(h, item_weight, bias, class_weight, block_v, with_grads):
+        counted = torch.zeros((2, n), dtype=torch.float32, device=h.device)
+        tiles = _Tiles(h, item_weight, bias, class_weight, pos_weight, ids, block_v, with_grads)
+        for start, stop, z, y, dz, items, cw, pw in tiles:
             if compute_metrics:
-                predicted += fused_tile.counts(z)
+                counted += fused_tile.counts(z, y)
             if with_grads:
-                rows += fused_tile.rows_grad(z, g_column, cw, out=dz)
+                rows += fused_tile.rows_grad(z, y, cw, pw, g_column, out=dz)
                 _add_tile_grads(dz, items, h, start, stop, d_hidden, d_items, d_bias)
             else:
-                rows += fused_tile.rows(z, cw)
-        ids, mask = positives.positive_slots(targets, num_items)
-        corr, hits, num_pos = positives.correction_forward(h, item_weight, bias, class_weight, pos_weight, ids, mask)
-        rows += corr
-        if with_grads:
-            positives.correction_backward(
-                h, item_weight, bias, class_weight, pos_weight, ids, mask, g, d_hidden, d_items, d_bias
-            )
+                rows += fused_tile.rows(z, y, cw, pw)
         weighted = rows if weight is None else rows * weight.to(acc)
-        loss = weighted.sum() / divisor
+        loss = weighted.sum() / torch.tensor(divisor, dtype=acc)
         if compute_metrics:
-            counts = _metric_counts(predicted, hits, num_pos, num_items)
+            counts = _metric_counts(*counted, positives.num_positives(ids), num_items)
             if weight is not None:
                 counts = counts * weight.detach().to(torch.float32)
             counts = counts.sum(-1)
@@ -197,8 +204,8 @@ class NativeCutBCELoss(torch.autograd.Function):
         return loss, counts
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, g_loss, _g_counts):
+        _refuse_double_backward()
         if ctx.used:
             raise RuntimeError(
                 "cut_bce_with_logits(reduction='sum'/'mean') computes its gradients during the forward "
@@ -211,5 +218,7 @@ class NativeCutBCELoss(torch.autograd.Function):
         grads = []
         for grad, dtype in ((d_hidden, h_dtype), (d_items, items_dtype), (d_bias, bias_dtype)):
             grads.append(None if grad is None else grad.mul_(g_loss.to(grad.dtype)).to(dtype))
-        d_weight = None if rows is None else (rows * (g_loss.to(rows.dtype) / ctx.divisor)).to(weight_dtype)
+        d_weight = None
+        if rows is not None:
+            d_weight = (rows * (g_loss.to(rows.dtype) / torch.tensor(ctx.divisor, dtype=rows.dtype))).to(weight_dtype)
         return (*grads, d_weight, None, None, None, None, None, None, None)

@@ -1,7 +1,11 @@
-"""The sparse correction at the positives (torch twin of `jax_kernels/positives.py`, which derives it).
+"""Where the positives are: padded target ids -> a set of ids per row -> a mask per logits tile.
 
-    corr[n, t]   = cw[t] * (pw[t] * softplus(-z) - softplus(z))       (= -cw[t] z   if pw = 1)
-    dcorr/dz     = cw[t] * (pw[t] * (sigmoid(z) - 1) - sigmoid(z))     (= -cw[t]     if pw = 1)
+The positives are taken out of the dense pass inside the tile where they fall (DESIGN.md
+section 2, Precision): each element's loss is `softplus(z)` or `pw softplus(-z)`, chosen
+element by element, never `softplus(z)` summed and `z` subtracted later. The tile needs to know
+which of its `[N, block_v]` elements are positives; `TileTargets` marks them in a reused boolean
+buffer by a scatter of the O(N L) ids that fall into the tile, and unmarks them afterwards, so no
+`[N, block_v]` fill is paid per tile.
 """
 
 from __future__ import annotations
@@ -14,73 +18,48 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def positive_slots(targets: torch.Tensor, num_items: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Padded ids `[N, L]` -> `(ids [N, L] long, mask [N, L] bool)`: each valid id once, padding masked.
+def positive_ids(targets: torch.Tensor, num_items: int, offset: int = 0) -> torch.Tensor:
+    """Padded ids `[N, L]` -> `[N, L]` int64 ids in `[0, num_items)`, each valid id once, -1 elsewhere.
 
-    Sorting puts duplicates side by side, so "first of its run" dedupes in O(L log L) per row.
-    Masked slots point at item 0 so gathers stay in bounds; the mask zeroes what they add.
+    An id t is valid iff `offset <= t < offset + num_items`; it becomes `t - offset` (a rank's or
+    shard's local id). Comparisons run in the targets' own dtype before any cast, so no id can
+    wrap into another item. Sorting puts duplicates side by side ("first of its run" dedupes).
     """
     ids = targets.sort(dim=-1).values
-    mask = (ids >= 0) & (ids < num_items)
-    mask[:, 1:] &= ids[:, 1:] != ids[:, :-1]
-    return torch.where(mask, ids, torch.zeros_like(ids)).long(), mask
+    keep = (ids >= offset) & (ids < offset + num_items)
+    keep[:, 1:] &= ids[:, 1:] != ids[:, :-1]
+    local = ids.long() - offset if offset else ids.long()
+    return torch.where(keep, local, torch.full_like(local, -1))
 
 
-def softplus(z: torch.Tensor) -> torch.Tensor:
-    """max(z, 0) + log1p(exp(-|z|)): exact and finite for any z (F.softplus switches to z above a threshold)."""
-    return z.clamp(min=0) + torch.log1p(torch.exp(-z.abs()))
+class TileTargets:
+    """Boolean `[N, stop - start]` masks of the positives of each vocabulary tile `[start, stop)`.
 
-
-def _gather(values, ids, acc):
-    return None if values is None else values.to(acc)[ids]
-
-
-def _positive_logits(hidden_acc, item_weight, bias, ids):
-    rows = item_weight[ids].to(hidden_acc.dtype)  # [N, L, D]
-    z = torch.einsum("nd,nld->nl", hidden_acc, rows)
-    if bias is not None:
-        z = z + bias.to(hidden_acc.dtype)[ids]
-    return z, rows
-
-
-def correction_forward(hidden_acc, item_weight, bias, class_weight, pos_weight, ids, mask):
-    """`(corr_row [N], positive_hits [N], num_positives [N])`; hits = positives with z > 0 (the TP)."""
-    acc = hidden_acc.dtype
-    z, _ = _positive_logits(hidden_acc, item_weight, bias, ids)
-    pw = _gather(pos_weight, ids, acc)
-    corr = -z if pw is None else pw * softplus(-z) - softplus(z)
-    cw = _gather(class_weight, ids, acc)
-    if cw is not None:
-        corr = corr * cw
-    corr_row = torch.where(mask, corr, torch.zeros_like(corr)).sum(-1)
-    hits = (mask & (z > 0)).sum(-1, dtype=torch.float32)
-    return corr_row, hits, mask.sum(-1, dtype=torch.float32)
-
-
-def correction_backward(hidden_acc, item_weight, bias, class_weight, pos_weight, ids, mask, g, d_hidden, d_items, d_bias):
-    """Adds the correction's gradients in place into `d_hidden [N, D]`, `d_items [V, D]`, `d_bias [V]`.
-
-    Each buffer may be None (that gradient is not needed). `g [N]` is the upstream gradient of each
-    row. Adding into the background's buffers avoids a second `[V, D]` allocation.
+    One flat buffer of `N * block_v + 1` booleans, all False between tiles: `mark` sets the
+    tile's positives (ids outside the tile go to the spare last slot), `unmark` clears the same
+    slots. Both cost O(N L), independent of the tile's size.
     """
-    acc = hidden_acc.dtype
-    pw = _gather(pos_weight, ids, acc)
-    if pw is None:
-        dz = torch.full(ids.shape, -1.0, dtype=acc, device=ids.device)
-        rows = item_weight[ids].to(acc)
-    else:
-        z, rows = _positive_logits(hidden_acc, item_weight, bias, ids)
-        s = torch.sigmoid(z)
-        dz = pw * (s - 1) - s
-    cw = _gather(class_weight, ids, acc)
-    if cw is not None:
-        dz = dz * cw
-    dz = torch.where(mask, dz * g.to(acc).unsqueeze(-1), torch.zeros_like(dz))
-    if d_hidden is not None:
-        d_hidden.add_(torch.einsum("nl,nld->nd", dz, rows))
-    flat_ids = ids.reshape(-1)
-    if d_items is not None:
-        contrib = (dz.unsqueeze(-1) * hidden_acc.unsqueeze(1)).reshape(-1, hidden_acc.shape[-1])
-        d_items.index_add_(0, flat_ids, contrib)
-    if d_bias is not None:
-        d_bias.index_add_(0, flat_ids, dz.reshape(-1))
+
+    def __init__(self, ids: torch.Tensor, block_v: int):
+        self.ids = ids
+        n = ids.shape[0]
+        self.spare = n * block_v
+        self.buffer = torch.zeros(self.spare + 1, dtype=torch.bool, device=ids.device)
+        self.row_starts = torch.arange(n, device=ids.device).unsqueeze(-1)
+        self.slots = None
+
+    def mark(self, start: int, stop: int) -> torch.Tensor:
+        width = stop - start
+        inside = (self.ids >= start) & (self.ids < stop)
+        flat = self.row_starts * width + (self.ids - start)
+        self.slots = torch.where(inside, flat, self.spare).reshape(-1)
+        self.buffer.index_fill_(0, self.slots, True)
+        return self.buffer[: self.ids.shape[0] * width].view(-1, width)
+
+    def unmark(self) -> None:
+        self.buffer.index_fill_(0, self.slots, False)
+
+
+def num_positives(ids: torch.Tensor) -> torch.Tensor:
+    """`|T_n|` per row as float32 (the metrics' TP + FN)."""
+    return (ids >= 0).sum(-1, dtype=torch.float32)

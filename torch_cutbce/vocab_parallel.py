@@ -4,8 +4,8 @@ For CPU/CUDA tensors and any backend (gloo, NCCL), in the manner of Apple CCE's
 `VocabParallelOptions`. Every rank of the group holds the same hidden states and the same global
 target ids, and its own slice of the item table (and of bias / class_weight / pos_weight). The loss
 is a sum over items, so each rank runs the native chunked Function (`native.NativeCutBCERows`) on its
-slice with ids shifted by `-start` (`positives.positive_slots` masks the ids of other ranks, so each
-positive is corrected on exactly one rank) and the partial rows are summed:
+slice, keeping only the ids in `[start, stop)` as its positives (`positives.positive_ids` with an
+offset: each positive falls in exactly one rank's tiles), and the partial rows are summed:
 
     forward:  rows = all_reduce_sum(rows_local)            one all_reduce (rows and counts stacked)
     backward: d_hidden = all_reduce_sum(d_hidden_local)    one all_reduce
@@ -137,10 +137,10 @@ def vocab_parallel_cut_bce(
     n = size.num_positions
     block_v = min(block_v or default_block_v(n, local_items), local_items)
     hidden = _CopyToRanks.apply(hidden.reshape(n, size.hidden_size), options.group)
-    # Negative padding ids stay negative; ids of other ranks fall outside [0, stop - start).
-    local_targets = targets.reshape(n, size.num_slots) - options.start
+    # Global ids: the Function keeps those in [start, stop) as local ids, the others are another rank's.
     rows, counts = NativeCutBCERows.apply(
-        hidden, item_weight, bias, class_weight, pos_weight, local_targets, block_v, return_metrics
+        hidden, item_weight, bias, class_weight, pos_weight, targets.reshape(n, size.num_slots), block_v,
+        return_metrics, options.start,
     )
     # One all_reduce: counts are integers below 2**24, exact in float32 and float64.
     stacked = _SumOverRanks.apply(torch.cat([rows[None], counts.to(rows.dtype)]), options.group)

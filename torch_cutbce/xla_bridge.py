@@ -208,9 +208,11 @@ def cut_bce_rows(
         if not np.array_equal(device_ids, np.arange(device_ids.size)):
             raise ValueError(f"mesh.device_ids must be 0..n-1 in order, got {mesh.device_ids}")
         mesh_args = (list(mesh.mesh_shape), ",".join(mesh.axis_names), _join(vocab_axis), _join(data_axis))
-    # Item ids fit int32 (V < 2**31); JAX without 64-bit mode would read int64 as int32 anyway,
-    # and the lowered HLO's parameter types must match the tensors handed to it.
-    targets = targets.to(torch.int32)
+    # Item ids fit int32 (V < 2**31) and JAX without 64-bit mode reads int32. Ids outside [0, V)
+    # become -1 BEFORE the narrowing cast (an int64 -2**32 would otherwise wrap to item 0); on XLA
+    # they cannot be checked without a host sync, so they are ignored like padding (documented).
+    valid = (targets >= 0) & (targets < item_weight.shape[0])
+    targets = torch.where(valid, targets, torch.full_like(targets, -1)).to(torch.int32)
     return xla_rows(
         hidden, item_weight, targets, bias, class_weight, pos_weight, block_v, compute_metrics, impl, *mesh_args
     )
