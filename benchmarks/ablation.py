@@ -88,12 +88,14 @@ def tile_part(shape, block_v, rounds):
     with_log1p = torch.compile(log1p_rows_grad, dynamic=True, fullgraph=True, options=options)
     in_place = torch.compile(in_place_rows_grad, dynamic=True, fullgraph=True, options=options)
     shipped = fused_tile._compiled("rows_grad", torch.get_num_threads())
+    y = torch.zeros(n, block_v, dtype=torch.bool)  # the shipped tiles take the positives' mask and pos_weight
+    y[torch.arange(n), torch.randint(0, block_v, (n,))] = True
     z_scratch = z.clone()
     variants = {
-        "eager twin (torch.log1p, in-place ops)": lambda: fused_tile._EAGER["rows_grad"](z.clone(), None, g, out),
+        "eager twin (torch.log1p, in-place ops)": lambda: fused_tile._EAGER["rows_grad"](z.clone(), y, None, None, g, out),
         "compiled, torch.log1p (Sleef)": lambda: with_log1p(z, cw, g, out),
         "compiled, polynomial log1p, dz written back into z": lambda: in_place(z_scratch.copy_(z), cw, g),
-        "compiled, polynomial log1p, dz into a second buffer (shipped)": lambda: shipped(z, cw, g, out),
+        "compiled, polynomial log1p, dz into a second buffer (shipped)": lambda: shipped(z, y, cw, cw, g, out),
     }
     report(f"1a. rows_grad tile [{n}, {block_v}] float32, ns per element (rows 1 and 3 include a copy of z)",
            interleave(variants, rounds), unit="ns/elem", scale=1e9, per=z.numel())
@@ -104,9 +106,9 @@ def tile_part(shape, block_v, rounds):
     two_loops = torch.compile(two_loop_rows, dynamic=True, fullgraph=True, options=options)
     rows = fused_tile._compiled("rows", torch.get_num_threads())
     variants = {
-        "eager twin (torch.log1p, in-place ops)": lambda: fused_tile._EAGER["rows"](z.clone(), None),
+        "eager twin (torch.log1p, in-place ops)": lambda: fused_tile._EAGER["rows"](z.clone(), y, None, None),
         "compiled, polynomial log1p of e = exp(-|z|): two loops": lambda: two_loops(z, cw),
-        "compiled, t = 1 / (2 exp(|z|) + 1): one loop (shipped)": lambda: rows(z, cw),
+        "compiled, t = 1 / (2 exp(|z|) + 1): one loop (shipped)": lambda: rows(z, y, cw, cw),
     }
     report(f"1b. rows tile (forward only) [{n}, {block_v}] float32, ns per element",
            interleave(variants, rounds), unit="ns/elem", scale=1e9, per=z.numel())
@@ -179,16 +181,29 @@ def jax_part(shape, block_v, rounds):
     h, e, _ = (jnp.asarray(a) for a in P.make_numpy_inputs(shape))
     n, v = shape.num_positions, shape.num_items
 
+    # The loops since issue 11 take the positives (exact tiles) and pos_weight; the before code did not.
+    ids = jnp.asarray(P.make_numpy_inputs(shape)[2], jnp.int32)
+
+    def forward(module, h, e):
+        if module is blocked:
+            return blocked.blocked_forward(h, e, None, None, None, ids, block_v=block_v, compute_counts=False)[0]
+        return module.blocked_background_forward(h, e, None, None, block_v=block_v, compute_counts=False)[0]
+
+    def backward(module, h, e, g):
+        if module is blocked:
+            return blocked.blocked_backward(h, e, None, None, None, ids, g, block_v=block_v)
+        return module.blocked_background_backward(h, e, None, None, g, block_v=block_v)
+
     def compiled(module, mode):
         @jax.custom_vjp
         def rows(h, e):
-            return module.blocked_background_forward(h, e, None, None, block_v=block_v, compute_counts=False)[0]
+            return forward(module, h, e)
 
         def rows_fwd(h, e):
             return rows(h, e), (h, e)
 
         def rows_bwd(res, g):
-            d_h, d_e, _ = module.blocked_background_backward(*res, None, None, g, block_v=block_v)
+            d_h, d_e, _ = backward(module, *res, g)
             return d_h, d_e
 
         rows.defvjp(rows_fwd, rows_bwd)
@@ -204,12 +219,12 @@ def jax_part(shape, block_v, rounds):
         """The background of the scalar reductions: gradients computed in the forward, scaled in the backward."""
         @jax.custom_vjp
         def loss(h, e):
-            return blocked.blocked_background_forward(h, e, None, None, block_v=block_v, compute_counts=False)[0].sum() / (n * v)
+            return forward(blocked, h, e).sum() / (n * v)
 
         def loss_fwd(h, e):
             g = jnp.full((n,), 1 / (n * v), h.dtype)
-            rows, _, d_h, d_e, _ = blocked.blocked_background_value_and_grad(h, e, None, None, g, block_v=block_v,
-                                                                             compute_counts=False)
+            rows, _, d_h, d_e, _ = blocked.blocked_value_and_grad(h, e, None, None, None, ids, g, block_v=block_v,
+                                                                  compute_counts=False)
             return rows.sum() / (n * v), (d_h, d_e)
 
         loss.defvjp(loss_fwd, lambda res, ct: (res[0] * ct, res[1] * ct))
