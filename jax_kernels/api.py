@@ -4,22 +4,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from jax_kernels.arguments import prepare
 from jax_kernels.core import CutBCEConfig, cut_bce_rows, cut_bce_weighted_sum
 from jax_kernels.positives import accumulation_dtype
 from jax_kernels.reference import reduce_rows
-from jax_kernels.shapes import ArraySpec, check_arguments, default_block_v, reduction_divisor
+from jax_kernels.shapes import default_block_v, reduction_divisor
 
 IMPL_CHOICES = ("auto", "blocked", "pallas")
-
-
-def _spec(x):
-    if x is None:
-        return None
-    dtype = jnp.dtype(x.dtype)
-    # bfloat16 (an ml_dtypes extension type) has numpy kind 'V', not 'f'.
-    return ArraySpec(tuple(x.shape), "f" if jnp.issubdtype(dtype, jnp.floating) else dtype.kind, dtype.name)
 
 
 def resolve_impl(impl: str, dtype) -> str:
@@ -34,15 +26,6 @@ def resolve_impl(impl: str, dtype) -> str:
     if kernel_dtype and jax.default_backend() == "tpu":
         return "pallas"
     return "blocked"
-
-
-def _check_ids_below_vocab(targets, num_items):
-    # Possible only on concrete arrays; under jit ids >= V are masked like padding (documented).
-    if isinstance(targets, jax.core.Tracer):
-        return
-    largest = int(np.max(np.asarray(targets))) if targets.size else -1
-    if largest >= num_items:
-        raise ValueError(f"targets holds item id {largest}, but item_weight has only V={num_items} items (ids must be < V)")
 
 
 def _row_weight(weight, reduction, num_positions, num_items, dtype):
@@ -75,22 +58,31 @@ def cut_bce(
     Computes exactly `jax_kernels.reference.dense_cut_bce` (the formula is stated there) in
     vocabulary tiles; works under `jax.jit` (all options are static Python values).
 
+    Every array argument may be any array-like (`jax.Array`, numpy array, nested list): it is
+    converted with `jnp.asarray`, except that concrete `targets` are checked first (below).
+
     Args:
-      hidden: `[*S, D]` float32 / bfloat16 / float16 / float64.
+      hidden: `[*S, D]` float32 / bfloat16 / float16 / float64. N = prod(S) = 0 and D = 0 work.
       item_weight: `[V, D]`, same dtype as hidden.
-      targets: `[*S, L]` integer positive ids; negative ids are padding, duplicates count once.
-        Ids >= V raise a ValueError on concrete arrays; under `jit` they cannot be checked without
-        a host sync and are ignored like padding.
-      bias: `[V]` or None.
+      targets: `[*S, L]` integer positive ids (int8/16/32/64 or uint8); negative ids of any
+        magnitude are padding, duplicates count once. Ids >= V raise a ValueError on concrete
+        arrays; under `jit` they cannot be checked without a host sync and are ignored like
+        padding. Concrete numpy int64 ids are checked before JAX narrows them to int32 (x64 off),
+        so no id wraps into a real item. Under `jit` with x64 off JAX has already narrowed int64
+        ids at the jit boundary (wrapping), before this function sees them: pass int32 ids there.
+      bias: `[V]` or None. bias, weight, class_weight and pos_weight may have any float dtype;
+        they are cast to the compute dtype (float32, or float64 for float64 inputs).
       weight: `[*S]` per-position weight (e.g. a padding mask), or None. Differentiable.
       class_weight: `[V]` per-item weight, or None. Treated as a constant (zero gradient).
       pos_weight: `[V]` weight of the positive term, as in BCEWithLogitsLoss. A constant.
       reduction: 'mean' (sum over all N x V elements / (N V), as BCEWithLogitsLoss), 'sum', or
         'none' (shape S: each position's loss summed over items; the `[*S, V]` tensor
-        BCEWithLogitsLoss would return is the one this function exists not to build).
+        BCEWithLogitsLoss would return is the one this function exists not to build). 'mean' of
+        N = 0 positions is nan, as torch's mean of an empty tensor; its gradients are zeros.
       return_metrics: also return `(tp, fp, fn, tn)` float32 counts (z > 0 is a positive
         prediction), times `weight`, summed over positions unless reduction is 'none'.
-      block_v: vocabulary tile of the blocked implementation (default: a 16 MiB float32 tile).
+      block_v: vocabulary tile of the blocked implementation, a positive int (numpy integers
+        too, bool not; default: a 16 MiB float32 tile).
       impl: 'auto' (Pallas on TPU, blocked elsewhere), 'blocked', or 'pallas' (Mosaic kernels on
         TPU; the same kernels in interpret mode when lowered for another platform).
       block_sizes: Pallas tile sizes (`jax_kernels.block_sizes.BlockSizes`), None = derived.
@@ -101,6 +93,11 @@ def cut_bce(
     Returns:
       The loss (float32, or float64 for float64 inputs), or `(loss, (tp, fp, fn, tn))`.
     """
+    size, a = prepare(hidden, item_weight, targets, bias, weight, class_weight, pos_weight,
+                      reduction=reduction, block_v=block_v)
+    hidden, item_weight, targets, bias = a["hidden"], a["item_weight"], a["targets"], a["bias"]
+    weight, class_weight, pos_weight = a["weight"], a["class_weight"], a["pos_weight"]
+    block_v = size.block_v
     if mesh is not None:
         from jax_kernels.sharded import cut_bce_sharded  # lazy: sharded imports this module
 
@@ -109,11 +106,6 @@ def cut_bce(
             weight=weight, class_weight=class_weight, pos_weight=pos_weight, reduction=reduction,
             return_metrics=return_metrics, block_v=block_v, impl=impl, block_sizes=block_sizes,
         )
-    size = check_arguments(
-        _spec(hidden), _spec(item_weight), _spec(targets), _spec(bias), _spec(weight),
-        _spec(class_weight), _spec(pos_weight), reduction=reduction, block_v=block_v,
-    )
-    _check_ids_below_vocab(targets, size.num_items)
     config = CutBCEConfig(
         block_v=block_v or default_block_v(size.num_positions, size.num_items),
         compute_metrics=return_metrics,
@@ -129,10 +121,11 @@ def cut_bce(
         class_weight,
         jax.lax.stop_gradient(pos_weight) if pos_weight is not None else None,
     )
-    if reduction != "none" and config.impl == "blocked":
+    if reduction != "none" and config.impl == "blocked" and n > 0:
         # A scalar loss: gradients computed during the forward (core.cut_bce_weighted_sum).
         loss, counts = cut_bce_weighted_sum(config, *operands, _row_weight(weight, reduction, n, size.num_items, hidden.dtype))
     else:
+        # N = 0 comes here too: 'mean' is then 0 / 0 = nan (as torch) with zero gradients.
         rows, counts = cut_bce_rows(config, *operands)
         if weight is not None:
             rows = rows * weight.reshape(n).astype(rows.dtype)

@@ -22,9 +22,11 @@ def positive_ids(targets: jax.Array, num_items: int) -> jax.Array:
     """Padded ids `[N, L]` -> `[N, L]` int32 ids in `[0, num_items)`, each valid id once, -1 elsewhere.
 
     Ids outside `[0, V)` are padding. The comparisons run in the targets' own dtype (int64 under
-    x64) before the cast to int32, so no id wraps into another item. Sorting each row puts
+    x64; narrow ids widened to int32 first) before the cast to int32, so no id wraps into another item. Sorting each row puts
     duplicates side by side, so "first of its run" keeps each id once.
     """
+    if jnp.dtype(targets.dtype).itemsize < 4:  # int8/uint8/int16 would wrap V in their own dtype
+        targets = targets.astype(jnp.int32)
     ids = jnp.sort(targets, axis=-1)
     valid = (ids >= 0) & (ids < num_items)
     first_of_run = jnp.concatenate([jnp.ones_like(ids[:, :1], dtype=bool), ids[:, 1:] != ids[:, :-1]], axis=-1)

@@ -23,7 +23,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_kernels.shapes import reduction_divisor
+from jax_kernels.arguments import as_array, checked_ids, host_ids, spec
+from jax_kernels.shapes import check_arguments, reduction_divisor
 
 
 def multi_hot(targets: jax.Array, num_items: int, dtype=jnp.float32) -> jax.Array:
@@ -49,26 +50,41 @@ def dense_cut_bce(
 ):
     """The materializing reference of the module docstring's formula.
 
+    Validates and converts its arguments as `jax_kernels.cut_bce` does (array-likes accepted;
+    concrete ids >= V raise, concrete int64 ids are checked before JAX narrows them).
+
     Args:
-      hidden: `[*S, D]`. item_weight: `[V, D]`. targets: `[*S, L]` integer ids, negative = padding.
-      bias: `[V]` or None. weight: `[*S]` or None. class_weight, pos_weight: `[V]` or None.
-      reduction: 'none' | 'sum' | 'mean'.
+      hidden: `[*S, D]` (N = prod(S) = 0 and D = 0 work). item_weight: `[V, D]`.
+      targets: `[*S, L]` integer ids, negative = padding.
+      bias: `[V]` or None. weight: `[*S]` or None. class_weight, pos_weight: `[V]` or None. All
+        floats are cast to compute_dtype, whatever their own float dtype.
+      reduction: 'none' | 'sum' | 'mean' ('mean' of N = 0 positions is nan, as torch's).
       return_metrics: also return `(tp, fp, fn, tn)`.
       compute_dtype: dtype of the logits and the loss (default: float32, or float64 for float64
         inputs). bfloat16 here reproduces "the dense reference run in the same dtype".
 
     Returns:
       The loss (shape S for 'none', else a scalar), and with `return_metrics` a tuple of counts.
+      Gradients come back in each input's dtype.
     """
-    lead_shape = hidden.shape[:-1]
-    num_items = item_weight.shape[0]
+    hidden, item_weight, bias, weight, class_weight, pos_weight = (
+        as_array(name, x)
+        for name, x in zip(("hidden", "item_weight", "bias", "weight", "class_weight", "pos_weight"),
+                           (hidden, item_weight, bias, weight, class_weight, pos_weight))
+    )
+    targets = host_ids(targets)
+    size = check_arguments(spec(hidden), spec(item_weight), spec(targets), spec(bias), spec(weight),
+                           spec(class_weight), spec(pos_weight), reduction=reduction)
+    targets = checked_ids(targets, size.num_items)
+    lead_shape, num_items = size.lead_shape, size.num_items
     if compute_dtype is None:
         compute_dtype = jnp.float64 if hidden.dtype == jnp.float64 else jnp.float32
-    h = hidden.reshape(-1, hidden.shape[-1]).astype(compute_dtype)
+    # Explicit sizes: reshape(-1, D) is ambiguous when N = 0 or D = 0.
+    h = hidden.reshape(size.num_positions, size.hidden_size).astype(compute_dtype)
     z = h @ item_weight.astype(compute_dtype).T
     if bias is not None:
         z = z + bias.astype(compute_dtype)
-    y = multi_hot(targets.reshape(h.shape[0], -1), num_items, compute_dtype)
+    y = multi_hot(targets.reshape(size.num_positions, size.num_slots), num_items, compute_dtype)
     w = jnp.ones_like(z)
     if weight is not None:
         w = w * weight.reshape(-1, 1).astype(compute_dtype)

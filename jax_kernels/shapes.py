@@ -1,34 +1,79 @@
 """Argument checks shared by `jax_kernels` and `torch_cutbce` (plain Python: imports neither).
 
-Both frameworks describe their arrays to `check_arguments` as (shape, dtype kind) pairs, so the
-same error messages come out of every entry point. Shapes are static under `jax.jit` and under
+Both frameworks describe their arrays to `check_arguments` as (shape, dtype name) pairs, so the
+same error messages come out of every entry point. Dtype names are spelled alike in numpy, JAX and
+torch (`str(torch.float32)` without "torch."). Shapes are static under `jax.jit` and under
 torch_xla's lazy tensors, so none of these checks syncs with a device.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 REDUCTIONS = ("none", "sum", "mean")
+# The one list of accepted dtypes. Complex and float8 are not floating for us (no softplus /
+# matmul support worth having); torch's uint16/32/64 lack sort, max and indexing on most devices.
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+ID_DTYPES = ("int8", "int16", "int32", "int64", "uint8")
 
 
 @dataclass(frozen=True)
 class ArraySpec:
-    """What the checks need to know of one argument: its shape and dtype kind ('f', 'i', 'b', ...)."""
+    """What the checks need to know of one argument: its shape and dtype name ('float32', 'int64', ...)."""
 
     shape: tuple[int, ...]
-    kind: str
     dtype_name: str
 
 
 @dataclass(frozen=True)
 class ProblemSize:
     lead_shape: tuple[int, ...]
-    num_positions: int  # N
-    num_items: int  # V
-    hidden_size: int  # D
+    num_positions: int  # N (may be 0)
+    num_items: int  # V (>= 1)
+    hidden_size: int  # D (may be 0)
     num_slots: int  # L
+    block_v: int | None = None  # the caller's block_v as a Python int (numpy integers converted)
+
+
+def check_reduction(reduction) -> None:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+
+
+def check_block_v(block_v) -> int | None:
+    """None, or a positive integer (numpy integers too) returned as a Python int; bool is refused."""
+    if block_v is None:
+        return None
+    if isinstance(block_v, bool) or not isinstance(block_v, numbers.Integral):
+        raise TypeError(f"block_v must be a positive int or None, got {block_v!r} of type {type(block_v).__name__}")
+    if block_v < 1:
+        raise ValueError(f"block_v must be a positive int or None, got {block_v!r}")
+    return int(block_v)
+
+
+def _check_float(name: str, spec: ArraySpec) -> None:
+    if spec.dtype_name not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} must be a floating-point array of dtype {' / '.join(FLOAT_DTYPES)}, got dtype {spec.dtype_name}"
+        )
+
+
+def _check_ids(targets: ArraySpec) -> None:
+    if targets.dtype_name in ID_DTYPES:
+        return
+    if targets.dtype_name in ("uint16", "uint32", "uint64"):
+        raise TypeError(
+            f"targets must be signed integer ids ({' / '.join(ID_DTYPES[:-1])}) or uint8, got dtype "
+            f"{targets.dtype_name} (poorly supported by torch's sort/max/indexing); cast to int64 "
+            f"(torch: targets.long(); numpy / JAX: targets.astype('int64'))"
+        )
+    raise TypeError(
+        f"targets must be integer item ids [*S, L] padded with negative ids, of dtype "
+        f"{' / '.join(ID_DTYPES)}, got dtype {targets.dtype_name}; a dense multi-hot [*S, V] target "
+        f"converts with multi_hot_to_ids"
+    )
 
 
 def check_arguments(
@@ -41,29 +86,28 @@ def check_arguments(
     pos_weight: ArraySpec | None = None,
     *,
     reduction: str = "mean",
-    block_v: int | None = None,
+    block_v=None,
 ) -> ProblemSize:
     """Validates every argument of `cut_bce` / `cut_bce_with_logits` and returns the sizes.
 
+    N = 0 positions and D = 0 are valid (the loss of no positions, logits equal to the bias).
+    `bias`, `weight`, `class_weight` and `pos_weight` may have any dtype of FLOAT_DTYPES: every
+    implementation casts them to the compute dtype (float32, or float64 for float64 inputs).
+
     Raises:
-      TypeError: a float argument is not floating point, or `targets` is not an integer array.
-      ValueError: a rank or shape does not fit, V = 0, an unknown reduction, or a bad block_v.
+      TypeError: a float argument's dtype is not in FLOAT_DTYPES, hidden and item_weight differ in
+        dtype, `targets`' dtype is not in ID_DTYPES, or block_v is not an integer (bool included).
+      ValueError: a rank or shape does not fit, V = 0, an unknown reduction, or block_v < 1.
     """
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if hidden.kind != "f":
-        raise TypeError(f"hidden must be a floating-point tensor, got dtype {hidden.dtype_name}")
-    if item_weight.kind != "f":
-        raise TypeError(f"item_weight must be a floating-point tensor, got dtype {item_weight.dtype_name}")
+    check_reduction(reduction)
+    block_v = check_block_v(block_v)
+    _check_float("hidden", hidden)
+    _check_float("item_weight", item_weight)
     if hidden.dtype_name != item_weight.dtype_name:
         raise TypeError(
             f"hidden and item_weight must share a dtype, got {hidden.dtype_name} and {item_weight.dtype_name}"
         )
-    if targets.kind not in ("i", "u"):
-        raise TypeError(
-            f"targets must be integer item ids [*S, L] padded with negative ids, got dtype "
-            f"{targets.dtype_name}; a dense multi-hot [*S, V] target converts with multi_hot_to_ids"
-        )
+    _check_ids(targets)
     if len(hidden.shape) < 1:
         raise ValueError(f"hidden must have shape [*S, D] with rank >= 1, got shape {hidden.shape}")
     if len(item_weight.shape) != 2:
@@ -90,26 +134,27 @@ def check_arguments(
     ):
         if spec is None:
             continue
-        if spec.kind != "f":
-            raise TypeError(f"{name} must be floating point, got dtype {spec.dtype_name}")
+        _check_float(name, spec)
         if tuple(spec.shape) != want:
             expected = "[V]" if name != "weight" else "[*S] (one weight per position)"
             raise ValueError(f"{name} must have shape {expected} = {want}, got shape {spec.shape}")
-    if block_v is not None and (not isinstance(block_v, int) or block_v < 1):
-        raise ValueError(f"block_v must be a positive int or None, got {block_v!r}")
     return ProblemSize(
         lead_shape=lead_shape,
         num_positions=math.prod(lead_shape),
         num_items=num_items,
         hidden_size=hidden_size,
         num_slots=targets.shape[-1],
+        block_v=block_v,
     )
 
 
 def reduction_divisor(reduction: str, num_positions: int, num_items: int) -> float:
     """What the summed, weighted rows are divided by: N V for 'mean' (as BCEWithLogitsLoss), else 1.
 
-    A Python float: N * V overflows int32 under jit (8192 x 876,939 > 2**31) without x64.
+    A Python float: N * V overflows int32 under jit (8192 x 876,939 > 2**31) without x64. For N = 0
+    it is 0.0: divide tensors by it (0 / 0 = nan, the mean of an empty tensor in torch), never a
+    Python float (ZeroDivisionError). The entry points route N = 0 to their rows path, whose
+    gradients (of no rows) are zeros, as torch's on an empty `[0, V]` tensor.
     """
     return float(num_positions * num_items) if reduction == "mean" else 1.0
 

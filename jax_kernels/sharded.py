@@ -46,10 +46,11 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_kernels.api import _check_ids_below_vocab, _spec, resolve_impl
+from jax_kernels.api import resolve_impl
+from jax_kernels.arguments import prepare
 from jax_kernels.core import CutBCEConfig, cut_bce_backward, cut_bce_forward
 from jax_kernels.reference import reduce_rows
-from jax_kernels.shapes import check_arguments, default_block_v
+from jax_kernels.shapes import default_block_v
 
 AxisName = str | tuple[str, ...] | None
 
@@ -342,14 +343,12 @@ def cut_bce_sharded(
       The loss, or `(loss, (tp, fp, fn, tn))`, as `jax_kernels.cut_bce`. Gradients of item_weight and
       bias keep the table's sharding along V.
     """
-    size = check_arguments(
-        _spec(hidden), _spec(item_weight), _spec(targets), _spec(bias), _spec(weight),
-        _spec(class_weight), _spec(pos_weight), reduction=reduction, block_v=block_v,
-    )
+    size, a = prepare(hidden, item_weight, targets, bias, weight, class_weight, pos_weight,
+                      reduction=reduction, block_v=block_v, num_items=num_items)
+    hidden, item_weight, targets, bias = a["hidden"], a["item_weight"], a["targets"], a["bias"]
+    weight, class_weight, pos_weight = a["weight"], a["class_weight"], a["pos_weight"]
+    block_v = size.block_v
     catalog = size.num_items if num_items is None else num_items
-    if not 1 <= catalog <= size.num_items:
-        raise ValueError(f"num_items must be in [1, {size.num_items}] (the table's rows), got {num_items}")
-    _check_ids_below_vocab(targets, catalog)
     if mesh is None:
         mesh = infer_mesh(item_weight, hidden)
         if mesh is None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from jax_kernels.shapes import ArraySpec, check_arguments, default_block_v, reduction_divisor
@@ -14,18 +12,29 @@ from torch_cutbce.reference import dense_bce_with_logits
 BACKENDS = ("auto", "native", "dense", "xla", "xla_blocked", "xla_pallas")
 
 
-def _spec(x: torch.Tensor | None) -> ArraySpec | None:
+def _spec(x: torch.Tensor | None, name: str = "argument") -> ArraySpec | None:
     if x is None:
         return None
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
-    kind = "f" if x.is_floating_point() else ("b" if x.dtype == torch.bool else "i")
-    return ArraySpec(tuple(x.shape), kind, str(x.dtype).removeprefix("torch."))
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__} (convert it with torch.as_tensor)")
+    return ArraySpec(tuple(x.shape), str(x.dtype).removeprefix("torch."))
+
+
+def _check(hidden, item_weight, targets, bias, weight, class_weight, pos_weight, *, reduction, block_v):
+    """`check_arguments` on the torch tensors, each named in its error."""
+    tensors = dict(hidden=hidden, item_weight=item_weight, targets=targets, bias=bias, weight=weight,
+                   class_weight=class_weight, pos_weight=pos_weight)
+    specs = {name: _spec(t, name) for name, t in tensors.items()}
+    return check_arguments(**specs, reduction=reduction, block_v=block_v)
+
+
+def check_backend(backend) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
 def _resolve_backend(backend: str, hidden: torch.Tensor) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_backend(backend)
     if backend == "auto":
         return "xla" if hidden.device.type == "xla" else "native"
     return backend
@@ -89,20 +98,25 @@ def cut_bce_with_logits(
     extra memory is O(N x block_v), not O(N x V).
 
     Args:
-      hidden: `[*S, D]` float (N = prod(S) positions).
+      hidden: `[*S, D]` float16 / bfloat16 / float32 / float64 (N = prod(S) positions; N = 0
+        and D = 0 work).
       item_weight: `[V, D]`, same dtype and device as hidden (often the tied item embedding).
-      targets: `[*S, L]` integer positive ids, padded with negative ids; duplicates count once.
+      targets: `[*S, L]` integer positive ids (int8/16/32/64 or uint8; cast uint16/32/64 to
+        int64), padded with negative ids; duplicates count once.
         Ids >= V raise on CPU and trigger a device assert on CUDA; on XLA devices they cannot be
         checked without a host sync and are ignored like padding.
-      bias: `[V]` or None.
+      bias: `[V]` or None. bias, weight, class_weight and pos_weight may have any float dtype;
+        they are cast to the compute dtype (float32, or float64 for float64 inputs).
       weight: `[*S]` per-position weight (a padding mask, say), or None. Gets a gradient.
       class_weight: `[V]` per-item weight, or None. A constant (must not require grad).
       pos_weight: `[V]` weight of the positive term as in BCEWithLogitsLoss. A constant.
       reduction: 'mean' (sum over all N x V elements / (N V), as BCEWithLogitsLoss; padded
         positions count), 'sum', or 'none' (shape S: each position's loss summed over items; the
         `[*S, V]` tensor BCEWithLogitsLoss would return is exactly what this function avoids).
+        'mean' of N = 0 positions is nan with zero gradients, as BCEWithLogitsLoss on `[0, V]`.
       return_metrics: also return `CutBCEMetrics(tp, fp, fn, tn)` from the same logit tiles.
-      block_v: vocabulary tile width (default: a 16 MiB float32 `[N, block_v]` tile).
+      block_v: vocabulary tile width, a positive int (numpy integers too, bool not; default: a
+        16 MiB float32 `[N, block_v]` tile).
       backend: 'auto' (the torch_xla bridge for XLA tensors, native otherwise), 'native' (chunked
         PyTorch, CPU/CUDA), 'dense' (materializing reference), 'xla' (bridge; Pallas on TPU, the
         blocked JAX loop elsewhere), 'xla_blocked', 'xla_pallas' (Pallas kernels; in interpret
@@ -114,12 +128,12 @@ def cut_bce_with_logits(
         `xs.mark_sharding` to match. For CPU/CUDA tensors see `torch_cutbce.vocab_parallel`.
 
     Returns:
-      The loss (float32; float64 for float64 inputs), or `(loss, CutBCEMetrics)`.
+      The loss (float32, also for float16 / bfloat16 inputs; float64 for float64 inputs), or
+      `(loss, CutBCEMetrics)`. Gradients come back in each input's dtype. The native backend's
+      gradients are not differentiable again (double backward raises a RuntimeError).
     """
-    size = check_arguments(
-        _spec(hidden), _spec(item_weight), _spec(targets), _spec(bias), _spec(weight),
-        _spec(class_weight), _spec(pos_weight), reduction=reduction, block_v=block_v,
-    )
+    size = _check(hidden, item_weight, targets, bias, weight, class_weight, pos_weight,
+                  reduction=reduction, block_v=block_v)
     backend = _resolve_backend(backend, hidden)
     if mesh is not None and not backend.startswith("xla"):
         raise ValueError(
@@ -134,22 +148,28 @@ def cut_bce_with_logits(
     _check_constant("class_weight", class_weight)
     _check_constant("pos_weight", pos_weight)
     _check_ids_below_vocab(targets, size.num_items)
+    if targets.dtype in (torch.int8, torch.int16, torch.uint8):
+        # The engines compare ids with V and tile bounds, which need not fit in 8 or 16 bits
+        # (a uint8 `ids < 300` compares with 300 wrapped to 44). O(N L): a negligible copy.
+        targets = targets.long()
     if backend == "dense":
         return dense_bce_with_logits(
             hidden, item_weight, targets, bias, weight=weight, class_weight=class_weight,
             pos_weight=pos_weight, reduction=reduction, return_metrics=return_metrics,
         )
     n = size.num_positions
-    block_v = min(block_v or default_block_v(n, size.num_items), size.num_items)
+    block_v = min(size.block_v or default_block_v(n, size.num_items), size.num_items)
     flat = (hidden.reshape(n, size.hidden_size), item_weight, bias, class_weight, pos_weight,
             targets.reshape(n, size.num_slots))
-    if backend == "native" and reduction != "none":
+    if backend == "native" and reduction != "none" and n > 0:
         # Gradients computed during the forward (native.py); weight and reduction are applied inside.
         w = None if weight is None else weight.reshape(n)
         loss, counts = NativeCutBCELoss.apply(*flat[:3], w, *flat[3:], reduction_divisor(reduction, n, size.num_items),
                                               block_v, return_metrics, torch.is_grad_enabled())
         return (loss, CutBCEMetrics(*counts)) if return_metrics else loss
     if backend == "native":
+        # Also N = 0 with 'sum'/'mean': reduce_rows gives 0 / 0 = nan for 'mean' (as torch) and the
+        # rows' backward zero gradients; NativeCutBCELoss would divide by N V = 0.
         rows, counts = NativeCutBCERows.apply(*flat, block_v, return_metrics)
     else:
         from torch_cutbce import xla_bridge  # the one module that imports torch_xla and jax

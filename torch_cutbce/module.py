@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from torch_cutbce.functional import cut_bce_with_logits
+from jax_kernels.shapes import check_block_v, check_reduction
+from torch_cutbce.functional import check_backend, cut_bce_with_logits
 
 
 class CutBCEWithLogitsLoss(nn.Module):
@@ -30,8 +31,11 @@ class CutBCEWithLogitsLoss(nn.Module):
         return_metrics: bool = False,
     ):
         super().__init__()
+        # Checked here too, so a bad option fails where it is written, not at the first step.
+        check_reduction(reduction)
+        check_backend(backend)
         self.reduction = reduction
-        self.block_v = block_v
+        self.block_v = check_block_v(block_v)
         self.backend = backend
         self.return_metrics = return_metrics
         self.register_buffer("pos_weight", pos_weight)

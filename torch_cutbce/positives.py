@@ -22,13 +22,14 @@ def positive_ids(targets: torch.Tensor, num_items: int, offset: int = 0) -> torc
     """Padded ids `[N, L]` -> `[N, L]` int64 ids in `[0, num_items)`, each valid id once, -1 elsewhere.
 
     An id t is valid iff `offset <= t < offset + num_items`; it becomes `t - offset` (a rank's or
-    shard's local id). Comparisons run in the targets' own dtype before any cast, so no id can
-    wrap into another item. Sorting puts duplicates side by side ("first of its run" dedupes).
+    shard's local id). Comparisons run in int64 before any narrowing, so no id can
+    wrap into another item (every accepted id dtype widens to int64 losslessly). Sorting puts
+    duplicates side by side ("first of its run" dedupes).
     """
-    ids = targets.sort(dim=-1).values
+    ids = targets.long().sort(dim=-1).values  # widening: int8/uint8/int16 ids would wrap V in their dtype
     keep = (ids >= offset) & (ids < offset + num_items)
     keep[:, 1:] &= ids[:, 1:] != ids[:, :-1]
-    local = ids.long() - offset if offset else ids.long()
+    local = ids - offset if offset else ids
     return torch.where(keep, local, torch.full_like(local, -1))
 
 

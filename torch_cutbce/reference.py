@@ -27,11 +27,22 @@ def dense_bce_with_logits(
     reduction: str = "mean",
     return_metrics: bool = False,
 ):
-    """CutBCE's loss computed the O(N V)-memory way. Arguments as `cut_bce_with_logits`."""
+    """CutBCE's loss computed the O(N V)-memory way. Arguments as `cut_bce_with_logits`.
+
+    Computes in float32, or float64 for float64 `hidden` (the native path's rule): every float
+    input is cast to that dtype first, so a bias (or weight) of another float dtype works, and
+    float16 / bfloat16 inputs give float32 logits (exact products of the half inputs, as a
+    low-precision matmul accumulating in float32) and a float32 loss. Gradients come back in each
+    input's dtype through the casts. N = 0 and D = 0 work ('mean' of N = 0 is nan, as torch's).
+    """
+    compute = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    hidden, item_weight, bias, weight, class_weight, pos_weight = (
+        None if t is None else t.to(compute) for t in (hidden, item_weight, bias, weight, class_weight, pos_weight)
+    )
     lead_shape = hidden.shape[:-1]
     num_items = item_weight.shape[0]
     logits = F.linear(hidden, item_weight, bias)  # [*S, V]
-    multi_hot = ids_to_multi_hot(targets, num_items, dtype=logits.dtype)
+    multi_hot = ids_to_multi_hot(targets.long(), num_items, dtype=logits.dtype)  # V may not fit in int8
     elem_weight = None
     if weight is not None or class_weight is not None:
         elem_weight = torch.ones((), dtype=logits.dtype, device=logits.device)

@@ -12,6 +12,7 @@ def ids_to_multi_hot(ids: torch.Tensor, num_items: int, dtype: torch.dtype = tor
     """
     if ids.is_floating_point():
         raise TypeError(f"ids must be an integer tensor, got dtype {ids.dtype}")
+    ids = ids.long()  # uint8 / int8 / int16 ids could not hold the padding column num_items
     if ids.device.type == "cpu" and ids.numel() and int(ids.max()) >= num_items:
         raise ValueError(f"ids holds item id {int(ids.max())}, but num_items={num_items} (ids must be < num_items)")
     valid = ids >= 0

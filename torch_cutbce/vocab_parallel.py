@@ -24,8 +24,8 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from jax_kernels.shapes import check_arguments, default_block_v
-from torch_cutbce.functional import _check_constant, _spec, reduce_rows
+from jax_kernels.shapes import default_block_v
+from torch_cutbce.functional import _check, _check_constant, _check_ids_below_vocab, reduce_rows
 from torch_cutbce.native import NativeCutBCERows
 
 
@@ -87,12 +87,6 @@ class _SumOverRanks(torch.autograd.Function):
         return grad, None
 
 
-def _check_ids(targets: torch.Tensor, num_items: int) -> None:
-    # On CPU only, as cut_bce_with_logits does: anywhere else the check would sync with the device.
-    if targets.device.type == "cpu" and targets.numel() and int(targets.max()) >= num_items:
-        raise ValueError(f"targets holds item id {int(targets.max())}, but the table has only V={num_items} items")
-
-
 def vocab_parallel_cut_bce(
     hidden: torch.Tensor,
     item_weight: torch.Tensor,
@@ -125,17 +119,15 @@ def vocab_parallel_cut_bce(
       The loss, or `(loss, CutBCEMetrics)`, identical on every rank.
     """
     local_items = options.stop - options.start
-    size = check_arguments(
-        _spec(hidden), _spec(item_weight), _spec(targets), _spec(bias), _spec(weight),
-        _spec(class_weight), _spec(pos_weight), reduction=reduction, block_v=block_v,
-    )
+    size = _check(hidden, item_weight, targets, bias, weight, class_weight, pos_weight,
+                  reduction=reduction, block_v=block_v)
     if size.num_items != local_items:
         raise ValueError(f"item_weight holds {size.num_items} rows but options give [{options.start}, {options.stop})")
     _check_constant("class_weight", class_weight)
     _check_constant("pos_weight", pos_weight)
-    _check_ids(targets, options.num_items)
+    _check_ids_below_vocab(targets, options.num_items)  # the same rule as cut_bce_with_logits (CUDA: device assert)
     n = size.num_positions
-    block_v = min(block_v or default_block_v(n, local_items), local_items)
+    block_v = min(size.block_v or default_block_v(n, local_items), local_items)
     hidden = _CopyToRanks.apply(hidden.reshape(n, size.hidden_size), options.group)
     # Global ids: the Function keeps those in [start, stop) as local ids, the others are another rank's.
     rows, counts = NativeCutBCERows.apply(

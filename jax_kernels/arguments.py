@@ -1,0 +1,99 @@
+"""Argument preparation of the JAX entry points (`cut_bce`, `cut_bce_sharded`, `dense_cut_bce`).
+
+Array-likes (numpy arrays, nested lists, scalars) are accepted and converted with `jnp.asarray`.
+Target ids are the exception: without x64, JAX narrows int64 to int32 by wrapping, which turns
+padding -2**32 into item 0 and id 2**32 + 5 into item 5. So concrete ids are checked on the host
+in their own dtype first (ids >= V raise), every negative id becomes -1, and only then are they
+narrowed. Traced ids are left alone: under `jit` without x64 an int64 array cannot exist (JAX
+narrows it at the jit boundary, before our code runs); with x64 a traced int64 id stays int64 and
+the engines compare it with V in int64 (`positives.positive_slots`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_kernels.shapes import ArraySpec, ProblemSize, check_arguments, check_block_v
+
+FLOAT_ARGUMENTS = ("hidden", "item_weight", "bias", "weight", "class_weight", "pos_weight")
+
+
+def as_array(name: str, x):
+    """None, a `jax.Array` (a tracer too), or anything `jnp.asarray` converts (then converted)."""
+    if x is None or isinstance(x, jax.Array):
+        return x
+    try:
+        return jnp.asarray(x)
+    except (TypeError, ValueError) as error:
+        raise TypeError(
+            f"{name} must be an array (jax.Array, numpy array or nested list of numbers), "
+            f"got {type(x).__name__}: {error}"
+        ) from None
+
+
+def host_ids(targets):
+    """Target ids kept in their own dtype for the check: a `jax.Array` as is, anything else as numpy."""
+    if isinstance(targets, jax.Array):
+        return targets
+    try:
+        return np.asarray(targets)
+    except (TypeError, ValueError) as error:
+        raise TypeError(
+            f"targets must be an integer array (jax.Array, numpy array or nested list of ints), "
+            f"got {type(targets).__name__}: {error}"
+        ) from None
+
+
+def spec(x) -> ArraySpec | None:
+    return None if x is None else ArraySpec(tuple(x.shape), np.dtype(x.dtype).name)
+
+
+def check_ids_below_vocab(targets, num_items: int) -> None:
+    """ids >= V raise on concrete arrays; under jit the check would need a host sync (they are masked)."""
+    if isinstance(targets, jax.core.Tracer) or targets.size == 0:
+        return
+    largest = int(np.max(np.asarray(targets)))
+    if largest >= num_items:
+        raise ValueError(
+            f"targets holds item id {largest}, but item_weight has only V={num_items} items (ids must be < V)"
+        )
+
+
+def checked_ids(targets, num_items: int):
+    """`host_ids` output -> a JAX array of ids: ids >= V raise, none wraps, at least 32 bits wide.
+
+    Host (numpy) ids that JAX would narrow are rewritten first, in their own dtype: every negative
+    id becomes -1. Ids narrower than 32 bits (int8, uint8, int16) are widened to int32, traced ones
+    too: the engines compare ids with V and with tile bounds, which need not fit in 8 or 16 bits.
+    """
+    check_ids_below_vocab(targets, num_items)
+    if not isinstance(targets, jax.Array):
+        narrow = jax.dtypes.canonicalize_dtype(targets.dtype)
+        if narrow != targets.dtype and targets.size:
+            # ids are < V here, so only the negative ones can wrap: make all padding -1.
+            targets = np.where(targets < 0, -1, targets).astype(narrow)
+        targets = jnp.asarray(targets)
+    return targets.astype(jnp.int32) if targets.dtype.itemsize < 4 else targets
+
+
+def prepare(hidden, item_weight, targets, bias, weight, class_weight, pos_weight, *, reduction, block_v,
+            num_items=None) -> tuple[ProblemSize, dict]:
+    """Everything the entries (`cut_bce`, `cut_bce_sharded`) check before any engine runs.
+
+    Returns the sizes (`size.block_v` a Python int or None) and the arguments by name, converted to
+    JAX arrays, targets checked against the catalog size (`num_items`, default: the table's rows).
+    """
+    block_v = check_block_v(block_v)
+    arrays = dict(zip(FLOAT_ARGUMENTS, (as_array(name, x) for name, x in zip(
+        FLOAT_ARGUMENTS, (hidden, item_weight, bias, weight, class_weight, pos_weight)))))
+    targets = host_ids(targets)
+    size = check_arguments(*(spec(arrays[k]) for k in ("hidden", "item_weight")), spec(targets),
+                           *(spec(arrays[k]) for k in ("bias", "weight", "class_weight", "pos_weight")),
+                           reduction=reduction, block_v=block_v)
+    catalog = size.num_items if num_items is None else num_items
+    if not 1 <= catalog <= size.num_items:
+        raise ValueError(f"num_items must be in [1, {size.num_items}] (the table's rows), got {num_items}")
+    arrays["targets"] = checked_ids(targets, catalog)
+    return size, arrays
