@@ -120,26 +120,34 @@ def detect_chip() -> ChipSpec | None:
     return CHIPS.get(name) if name else None
 
 
-def vmem_estimate_bytes(block_n: int, block_v: int, d: int, dtype) -> int:
+def vmem_estimate_bytes(block_n: int, block_v: int, d: int, dtype, *, num_targets: int = 1) -> int:
     """Upper estimate of the VMEM one grid step of the worst of the three kernels uses.
 
     Pallas double-buffers every block (the DMA of step k+1 overlaps the compute of step k); rows are
     padded to 128 lanes and row vectors to 8 sublanes in VMEM.
 
-    - inputs: hidden `[block_n, d]`, item_weight `[block_v, d]` (input dtype); bias and class weight
-      `[1, block_v]` f32; the lane-replicated upstream gradient `[block_n, 128]` f32.
+    - inputs: hidden `[block_n, d]`, item_weight `[block_v, d]` (input dtype); bias, class weight
+      and pos weight `[1, block_v]` f32; the positive ids `[block_n, L]` int32 (lane-padded: any
+      L <= 128 costs one 128-lane block); the lane-replicated upstream gradient `[block_n, 128]`
+      f32.
     - outputs: the d_item_weight block `[block_v, d]` f32 and d_bias `[1, block_v]` f32 (the largest
-      output set; the d_hidden block `[block_n, d]` f32 and the forward's `[block_n, 128]` partial
-      sums are counted by the max).
-    - temporaries: five f32 `[block_n, block_v]` tiles (logits, exp(-|z|), sigmoid or softplus, dz
-      and its transpose), one copy of the tile in the input dtype (the MXU operand), the masked
-      item_weight tile and the f32 matmul result before it is added to the accumulator.
+      output set; the d_hidden block `[block_n, d]` f32 and the forward's three `[block_n, 128]`
+      partial sums are counted by the max).
+    - temporaries: the `[block_n, block_v]` f32 logits scratch that the kernels walk in strips of
+      8 rows (targets, softplus or sigmoid, weights: the strips' own temporaries are small, for
+      any L), four more 4-byte `[block_n, block_v]` tiles (the logits before they are stored,
+      dz read back, its transpose, and one for Mosaic's copies), one copy of the tile in the
+      input dtype (the MXU operand), the masked item_weight tile and the f32 matmul result before
+      it is added to the accumulator. Compiled for v4 by libtpu, the largest of the three kernels
+      used 48 MiB at 1024 x 2048, D = 256, L = 32 in f32 (this model: 64 MiB) and 22 MiB in bf16
+      (model: 57 MiB); 512 x 512 f32 at D = 256 fits v4's 12 MiB limit (model: 11.6 MiB).
 
     Args:
         block_n: rows (positions) per tile.
         block_v: columns (items) per tile.
         d: hidden size D.
         dtype: input dtype of hidden and item_weight.
+        num_targets: target slots per row L (0: no ids block).
 
     Returns:
         Bytes of VMEM.
@@ -147,8 +155,10 @@ def vmem_estimate_bytes(block_n: int, block_v: int, d: int, dtype) -> int:
     b = _itemsize(dtype)
     dp = _round_up(d, LANES)
     row_vec = 8 * block_v * 4
-    inputs = 2 * (block_n * dp * b + block_v * dp * b + 2 * row_vec + block_n * LANES * 4)
-    outputs = 2 * max(block_v * dp * 4 + row_vec, block_n * dp * 4, 2 * block_n * LANES * 4)
+    ids_block = block_n * _round_up(num_targets, LANES) * 4
+    blocks = block_n * dp * b + block_v * dp * b + 3 * row_vec + ids_block + block_n * LANES * 4
+    inputs = 2 * blocks
+    outputs = 2 * max(block_v * dp * 4 + row_vec, block_n * dp * 4, 3 * block_n * LANES * 4)
     temps = 5 * block_n * block_v * 4 + block_n * block_v * b + block_v * dp * (b + 4)
     return inputs + outputs + temps
 
@@ -201,7 +211,7 @@ def _balanced(total: int, cap: int, align: int) -> int:
 
 
 def default_block_sizes(
-    n: int, v: int, d: int, dtype, chip: str | ChipSpec | None = None
+    n: int, v: int, d: int, dtype, chip: str | ChipSpec | None = None, *, num_targets: int = 1
 ) -> BlockSizes:
     """Derive tiles for an `[N, D] x [V, D]` background from the chip's VMEM and MXU.
 
@@ -219,6 +229,8 @@ def default_block_sizes(
         dtype: input dtype (float32 or bfloat16).
         chip: a key of `CHIPS`, a `ChipSpec`, or None to use `detect_chip()`, falling back to
             `PORTABLE_CHIP` when no TPU is visible (e.g. when exporting for TPU from a CPU host).
+        num_targets: target slots per row L; the default 1 budgets one 128-lane ids block, which
+            covers any L <= 128.
 
     Returns:
         A validated `BlockSizes`.
@@ -232,7 +244,7 @@ def default_block_sizes(
     align = max(spec.mxu_width, LANES)
     budget = spec.vmem_limit_bytes
     block_n, block_v = 1024, 4096
-    while vmem_estimate_bytes(block_n, block_v, d, dtype) > budget:
+    while vmem_estimate_bytes(block_n, block_v, d, dtype, num_targets=num_targets) > budget:
         if block_v > max(block_n, align):
             block_v //= 2
         elif block_n > LANES:
@@ -249,25 +261,30 @@ def default_block_sizes(
     return BlockSizes(block_n=block_n, block_v=block_v, vmem_limit_bytes=budget)
 
 
-def tile_cost(block_n: int, block_v: int, d: int, dtype) -> dict[str, float]:
+def tile_cost(
+    block_n: int, block_v: int, d: int, dtype, *, num_targets: int = 1
+) -> dict[str, float]:
     """Flops and HBM bytes of one grid step of each kernel (the numbers in README.md).
 
     Returns:
         A dict with `flops` (one logits matmul: 2 * block_n * block_v * d) and, for each kernel, the
-        bytes streamed from HBM per step: `fwd_bytes` and `dh_bytes` (one item_weight tile; hidden
-        stays resident across the item axis), `dw_bytes` (one hidden tile and its gradient rows;
-        item_weight stays resident across the token axis).
+        bytes streamed from HBM per step: `fwd_bytes` and `dh_bytes` (one item_weight tile with its
+        bias, class and pos weight; hidden and ids stay resident across the item axis), `dw_bytes`
+        (one hidden tile, its ids and gradient rows; item_weight stays resident across the token
+        axis).
     """
     b = _itemsize(dtype)
     flops = 2.0 * block_n * block_v * d
-    table_tile = block_v * (d * b + 8)  # item_weight rows plus bias and class weight
+    table_tile = block_v * (d * b + 12)  # item_weight rows plus bias, class and pos weight
+    token_tile = block_n * (d * b + LANES * 4 + num_targets * 4)  # hidden, g, ids
     return {
         "flops": flops,
         "fwd_bytes": float(table_tile),
         "dh_bytes": float(table_tile),
-        "dw_bytes": float(block_n * (d * b + LANES * 4)),
+        "dw_bytes": float(token_tile),
         "fwd_intensity": flops / table_tile,
         "dh_intensity": 2 * flops / table_tile,
-        "dw_intensity": 2 * flops / (block_n * (d * b + LANES * 4)),
-        "vmem_bytes": float(vmem_estimate_bytes(block_n, block_v, d, dtype)),
+        "dw_intensity": 2 * flops / token_tile,
+        "vmem_bytes": float(vmem_estimate_bytes(block_n, block_v, d, dtype,
+                                                num_targets=num_targets)),
     }

@@ -1,29 +1,45 @@
-"""Pallas TPU kernels for the dense background of CutBCE (forward and backward).
+"""Pallas TPU kernels of CutBCE: every element's exact loss, one logits tile at a time.
 
-The loss is a dense background over all items plus a sparse correction at the positives (DESIGN.md
-section 2; the correction lives in `positives.py`). These kernels compute only the background, so
-they never see targets. With `z[n, v] = hidden[n] . item_weight[v] + bias[v]`:
+Each kernel sees the positive ids of its rows and evaluates every element of the `[N, V]` loss of
+DESIGN.md section 2 inside the `[block_n, block_v]` tile where it falls: the positives are taken out
+of the background there, and nothing is corrected afterwards. With
+`z[n, v] = hidden[n] . item_weight[v] + bias[v]`, `y[n, v] = 1` iff v is in `ids[n, :]`, cw the
+class weight and pw the pos weight (each 1 when None):
 
-    row_bg[n]    = sum_v cw[v] * softplus(z[n, v])
-    count_pos[n] = sum_v (z[n, v] > 0)                      (unweighted, float32)
-    dz[n, v]     = g[n] * cw[v] * sigmoid(z[n, v])          (g: upstream gradient of row_bg)
+    zs[n, v]     = -z if y else z             (the logit the element's loss is a softplus of)
+    wgt[n, v]    = cw[v] * (pw[v] if y else 1)
+    rows[n]      = sum_v wgt * softplus(zs)   (= sum_v cw * (pw softplus(-z) if y else softplus(z)))
+    predicted[n] = sum_v (z > 0),  hits[n] = sum_v y * (z > 0)              (unweighted, float32)
+    dz[n, v]     = g[n] * wgt * (-sigmoid(zs) if y else sigmoid(zs))        (g: upstream of rows)
     d_hidden     = dz @ item_weight,  d_item_weight = dz^T @ hidden,  d_bias = sum_n dz
 
-Three kernels, each recomputing its `[block_n, block_v]` logits tile in VMEM (README.md has the
+Why in the tile: a background `sum_v cw softplus(z)` over all items followed by `-z` at each
+positive computes `softplus(-z) = softplus(z) - z` by cancellation. At a confident positive (z = 31)
+the row sum holds 31 and loses the true loss, 3.4e-14, in its rounding. Here each element costs one
+exp: `e = exp(-|z|)` (= exp(-|zs|)) gives `softplus(zs) = max(zs, 0) + log1p(e)` and
+`sigmoid(zs) = (1 if zs >= 0 else e) / (1 + e)`, both free of cancellation for either label.
+
+y of a tile: the rows' ids block `[block_n, L]` (int32; -1 in unused slots and padded rows, so it
+never equals a column index) is compared, slot by slot, with the tile's global column indices (an
+iota plus the tile's first column) and the L results OR-ed. L = 0 passes no ids at all (y = False).
+
+Three kernels, each recomputing its logits tile with one MXU matmul into a `[block_n, block_v]` f32
+VMEM scratch and then walking it in strips of 8 rows for the elementwise work (targets, softplus or
+sigmoid, weights), so that the VMEM of the temporaries does not grow with L (README.md has the
 grids, bytes moved and VMEM use):
-- forward, grid (token tiles "parallel", item tiles "arbitrary"): per-row sums accumulate in an
-  output block that stays resident across the item axis;
-- d_hidden, same grid: the `[block_n, D]` f32 output block accumulates `(cw * sigmoid(z)) @ W`;
-  g is applied afterwards (it is constant along the reduction);
+- forward, grid (token tiles "parallel", item tiles "arbitrary"): per-row sums accumulate in output
+  blocks that stay resident across the item axis;
+- d_hidden, same grid: the `[block_n, D]` f32 output block accumulates `(dz / g) @ W`; g is applied
+  afterwards (it is constant along the reduction);
 - d_item_weight and d_bias, grid (item tiles "parallel", token tiles "arbitrary"): the `[block_v, D]`
   f32 output block accumulates `dz^T @ hidden`.
 No `[v_tiles, N, D]` partial sums reach HBM (the reference backward's flaw).
 
 Ragged shapes: N is zero-padded to a tile multiple in the launcher (hidden rows are cheap to copy;
-padded rows get g = 0, so they add nothing). The item table is never copied: the last item tile
-reads past V, Pallas fills that part of the block with unspecified values (NaN in interpret mode),
-and the kernels mask those columns wherever they are summed over; outputs past V are dropped.
-D is never padded: the blocks span the full D.
+padded rows get ids -1 and g = 0, so they add nothing). The item table is never copied: the last
+item tile reads past V, Pallas fills that part of the block with unspecified values (NaN in
+interpret mode), and the kernels mask those columns wherever they are summed over; outputs past V
+are dropped. Ids are < V, so y is False in those columns. D is never padded: the blocks span it.
 
 Mode selection: `jax.lax.platform_dependent` picks the Mosaic kernel when the computation is
 lowered for TPU and the same kernel under `interpret=True` otherwise, so an export for TPU from a
@@ -47,6 +63,8 @@ _NT = (((1,), (1,)), ((), ()))  # [bn, D] x [bv, D] -> [bn, bv]: contract both m
 # Logit given to items past V: softplus and sigmoid of it are exactly 0 in f32. Finite, so no
 # inf - inf can arise if the tile math changes.
 _MASKED_LOGIT = -1e30
+# Rows per step of the elementwise loop (`_for_each_strip`): one sublane group of f32 / int32.
+_STRIP = 8
 
 
 # ----------------------------------------------------------------------------------------------
@@ -70,18 +88,18 @@ def _logits(h, w, bias_row):
     return z
 
 
-def _item_tile(w_ref, b_ref, c_ref, tile_index, *, ragged_v, v_total, block_v):
-    """Load the item tile `(w [bv, D], bias_row [1, bv] | None, cw_row [1, bv] | None)`.
+def _item_tile(w_ref, b_ref, c_ref, p_ref, tile_index, *, ragged_v, v_total, block_v):
+    """Load the item tile `(w [bv, D], bias_row, cw_row, pw_row)`, each row `[1, bv]` or None.
 
     On a ragged V the rows past V hold unspecified data (NaN in interpret mode). Instead of masking
     the `[bn, bv]` logits tile (an iota, compare and select per logit), make those columns exact
     no-ops at the source: zero their item_weight rows, set their bias to a huge negative logit and
-    their class weight to 0. Then z = -1e30 there, so softplus(z) = sigmoid(z) = 0 and z > 0 is
-    false, exactly. This costs selects on `[bv, D]` and `[1, bv]` only.
+    their class and pos weights to 0. Then z = -1e30 there (and y is False: ids are < V), so
+    softplus(zs) = sigmoid(zs) = 0 and z > 0 is false, exactly. This costs selects on `[bv, D]` and
+    `[1, bv]` only.
     """
     w = w_ref[...]
-    bias_row = None if b_ref is None else b_ref[...]
-    cw_row = None if c_ref is None else c_ref[...]
+    bias_row, cw_row, pw_row = (None if r is None else r[...] for r in (b_ref, c_ref, p_ref))
     if ragged_v:
         first = tile_index * block_v
         valid_row = lax.broadcasted_iota(jnp.int32, (1, block_v), 1) + first < v_total
@@ -91,9 +109,85 @@ def _item_tile(w_ref, b_ref, c_ref, tile_index, *, ragged_v, v_total, block_v):
         # row, and Mosaic has no float64.
         zero, masked = jnp.float32(0.0), jnp.float32(_MASKED_LOGIT)
         bias_row = jnp.where(valid_row, zero if bias_row is None else bias_row, masked)
-        if cw_row is not None:
-            cw_row = jnp.where(valid_row, cw_row, zero)
-    return w, bias_row, cw_row
+        cw_row, pw_row = (None if r is None else jnp.where(valid_row, r, zero)
+                          for r in (cw_row, pw_row))
+    return w, bias_row, cw_row, pw_row
+
+
+def _columns(tile_index, block_v):
+    """`[1, bv]` int32 global column (item) indices of item tile `tile_index`."""
+    return lax.broadcasted_iota(jnp.int32, (1, block_v), 1) + tile_index * block_v
+
+
+def _targets(ids, columns):
+    """`[rows, bv]` bool y from the rows' ids `[rows, L]`, or None without ids (L = 0).
+
+    Slot l of every row is compared with the tile's global column indices: a `[rows, 1]` slice
+    against the `[1, bv]` iota, broadcast to `[rows, bv]`, OR-ed over the L slots. Unused slots
+    hold -1 and match no column.
+    """
+    if ids is None:
+        return None
+    y = ids[:, 0:1] == columns
+    for slot in range(1, ids.shape[1]):
+        y = y | (ids[:, slot : slot + 1] == columns)
+    return y
+
+
+def _for_each_strip(block_n, body):
+    """Run `body(rows)` for the `_STRIP`-row slices `rows` of a `[block_n, ...]` tile.
+
+    The elementwise work of a tile (targets, softplus or sigmoid, weights) runs strip by strip on
+    the logits held in a VMEM scratch. Unrolled over the whole tile, Mosaic kept many full-tile
+    temporaries alive at once (at L = 32 the forward needed 4 more f32 tiles of VMEM than at
+    L = 8); per strip they are `[_STRIP, bv]`, whatever L is.
+    """
+
+    def step(k, carry):
+        body(pl.ds(pl.multiple_of(k * _STRIP, _STRIP), _STRIP))
+        return carry
+
+    # int32 bounds: under jax_enable_x64 Python ints would make an int64 index Mosaic rejects.
+    lax.fori_loop(jnp.int32(0), jnp.int32(block_n // _STRIP), step, 0)
+
+
+def _weights(y, cw_row, pw_row):
+    """`wgt = cw * (pw if y else 1)`: a `[bn, bv]` tile, a `[1, bv]` row, or None for all ones."""
+    if y is None or pw_row is None:
+        return cw_row
+    wgt = jnp.where(y, pw_row, jnp.float32(1.0))
+    return wgt if cw_row is None else wgt * cw_row
+
+
+def _signed(z, y):
+    """`(zs, e)`: the element's softplus argument `zs = -z if y else z`, and `e = exp(-|z|)`.
+
+    One exp per element serves both softplus(zs) and sigmoid(zs) (|zs| = |z|), never overflows,
+    and never forms softplus(z) - z.
+    """
+    e = jnp.exp(-jnp.abs(z))
+    return (z if y is None else jnp.where(y, -z, z)), e
+
+
+def _element_loss(z, y, wgt):
+    """`wgt * softplus(zs)`, softplus(zs) = max(zs, 0) + log1p(exp(-|zs|)) (DESIGN.md sec. 2)."""
+    zs, e = _signed(z, y)
+    loss = jnp.maximum(zs, 0.0) + jnp.log1p(e)
+    return loss if wgt is None else loss * wgt
+
+
+def _dz_over_g(z, y, wgt):
+    """`dz / g = wgt * (-sigmoid(zs) if y else sigmoid(zs))`.
+
+    d softplus(zs) / dz = sigmoid(zs) * dzs/dz, and dzs/dz is -1 at a positive: this is
+    `cw * pw * (sigmoid(z) - 1)` at a positive and `cw * sigmoid(z)` elsewhere, as BCE gives.
+    """
+    zs, e = _signed(z, y)
+    one = jnp.float32(1.0)
+    s = jnp.where(zs >= 0, one, e) / (one + e)
+    if y is not None:
+        s = jnp.where(y, -s, s)
+    return s if wgt is None else s * wgt
 
 
 def _lane_partial_sum(x):
@@ -105,70 +199,72 @@ def _lane_partial_sum(x):
     return acc
 
 
-def _softplus(z):
-    # max(z, 0) + log1p(exp(-|z|)): no overflow for large |z|, exact at 0 (DESIGN.md section 2).
-    return jnp.maximum(z, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(z)))
-
-
-def _sigmoid(z):
-    # Stable for either sign; exp(-|z|) never overflows.
-    e = jnp.exp(-jnp.abs(z))
-    r = 1.0 / (1.0 + e)
-    return jnp.where(z >= 0, r, e * r)
-
-
 # ----------------------------------------------------------------------------------------------
 # Kernels (Refs only; static options bound with functools.partial).
 
 
-def _forward_kernel(*refs, has_bias, has_cw, compute_counts, **item_tile_options):
-    """Grid (i: token tile, j: item tile). Out blocks `[bn, 128]` stay resident across j."""
+def _split_refs(refs, has_bias, has_cw, has_pw, has_ids):
+    """Split a kernel's Refs into the inputs `(h, w, bias, cw, pw, ids)` (None where absent), the
+    outputs, and the `[bn, bv]` f32 logits scratch."""
     refs = list(refs)
     h_ref, w_ref = refs.pop(0), refs.pop(0)
-    b_ref = refs.pop(0) if has_bias else None
-    c_ref = refs.pop(0) if has_cw else None
-    loss_ref = refs.pop(0)
-    count_ref = refs.pop(0) if compute_counts else None
+    optional = [refs.pop(0) if has else None for has in (has_bias, has_cw, has_pw, has_ids)]
+    z_ref = refs.pop()
+    return (h_ref, w_ref, *optional), refs, z_ref
+
+
+def _forward_kernel(*refs, flags, compute_counts, **item_tile_options):
+    """Grid (i: token tile, j: item tile). Out blocks `[bn, 128]` stay resident across j: the loss,
+    then with compute_counts the predicted count and (when there are ids) the hits count."""
+    (h_ref, w_ref, b_ref, c_ref, p_ref, ids_ref), out_refs, z_ref = _split_refs(refs, *flags)
     j = pl.program_id(1)
 
     @pl.when(j == 0)
     def _init():
-        loss_ref[...] = jnp.zeros(loss_ref.shape, jnp.float32)
-        if count_ref is not None:
-            count_ref[...] = jnp.zeros(count_ref.shape, jnp.float32)
+        for ref in out_refs:
+            ref[...] = jnp.zeros(ref.shape, jnp.float32)
 
-    w, bias_row, cw_row = _item_tile(w_ref, b_ref, c_ref, j, **item_tile_options)
-    z = _logits(h_ref[...], w, bias_row)
-    loss = _softplus(z)
-    if cw_row is not None:
-        loss = loss * cw_row
-    loss_ref[...] += _lane_partial_sum(loss)
-    if count_ref is not None:
-        count_ref[...] += _lane_partial_sum((z > 0.0).astype(jnp.float32))
+    w, bias_row, cw_row, pw_row = _item_tile(w_ref, b_ref, c_ref, p_ref, j, **item_tile_options)
+    z_ref[...] = _logits(h_ref[...], w, bias_row)
+    columns = _columns(j, item_tile_options["block_v"])
+
+    def strip(rows):
+        z = z_ref[rows, :]
+        y = _targets(None if ids_ref is None else ids_ref[rows, :], columns)
+        loss = _element_loss(z, y, _weights(y, cw_row, pw_row))
+        out_refs[0][rows, :] += _lane_partial_sum(loss)
+        if compute_counts:
+            positive = z > 0.0
+            out_refs[1][rows, :] += _lane_partial_sum(positive.astype(jnp.float32))
+            if y is not None:
+                out_refs[2][rows, :] += _lane_partial_sum((y & positive).astype(jnp.float32))
+
+    _for_each_strip(z_ref.shape[0], strip)
 
 
-def _d_hidden_kernel(*refs, has_bias, has_cw, **item_tile_options):
-    """Grid (i: token tile, j: item tile). Accumulates `(cw * sigmoid(z)) @ W` into `[bn, D]` f32;
-    the launcher multiplies by g (dz = g * cw * sigmoid(z) and g is constant along j)."""
-    refs = list(refs)
-    h_ref, w_ref = refs.pop(0), refs.pop(0)
-    b_ref = refs.pop(0) if has_bias else None
-    c_ref = refs.pop(0) if has_cw else None
-    (dh_ref,) = refs
+def _d_hidden_kernel(*refs, flags, **item_tile_options):
+    """Grid (i: token tile, j: item tile). Accumulates `(dz / g) @ W` into `[bn, D]` f32; the
+    launcher multiplies by g (constant along j)."""
+    (h_ref, w_ref, b_ref, c_ref, p_ref, ids_ref), (dh_ref,), z_ref = _split_refs(refs, *flags)
     j = pl.program_id(1)
 
     @pl.when(j == 0)
     def _init():
         dh_ref[...] = jnp.zeros(dh_ref.shape, jnp.float32)
 
-    # This kernel contracts over items: past V, s is exactly 0 and the item_weight rows are zeros
-    # (0 * NaN would poison the matmul), see _item_tile.
-    w, bias_row, cw_row = _item_tile(w_ref, b_ref, c_ref, j, **item_tile_options)
-    s = _sigmoid(_logits(h_ref[...], w, bias_row))
-    if cw_row is not None:
-        s = s * cw_row
+    # This kernel contracts over items: past V, dz / g is exactly 0 and the item_weight rows are
+    # zeros (0 * NaN would poison the matmul), see _item_tile.
+    w, bias_row, cw_row, pw_row = _item_tile(w_ref, b_ref, c_ref, p_ref, j, **item_tile_options)
+    z_ref[...] = _logits(h_ref[...], w, bias_row)
+    columns = _columns(j, item_tile_options["block_v"])
+
+    def strip(rows):  # z_ref[rows] <- dz / g, in place
+        y = _targets(None if ids_ref is None else ids_ref[rows, :], columns)
+        z_ref[rows, :] = _dz_over_g(z_ref[rows, :], y, _weights(y, cw_row, pw_row))
+
+    _for_each_strip(z_ref.shape[0], strip)
     dh_ref[...] += lax.dot_general(
-        s.astype(w.dtype),
+        z_ref[...].astype(w.dtype),
         w,
         (((1,), (0,)), ((), ())),
         precision=_precision(w.dtype),
@@ -176,32 +272,35 @@ def _d_hidden_kernel(*refs, has_bias, has_cw, **item_tile_options):
     )
 
 
-def _d_item_kernel(*refs, has_bias, has_cw, block_v):
+def _d_item_kernel(*refs, flags, block_v):
     """Grid (j: item tile, i: token tile). Accumulates `dz^T @ hidden` into `[bv, D]` f32 and
     `sum_n dz` into `[1, bv]` f32, both resident across i. Nothing here is masked: padded rows have
-    g = 0 and h = 0 (dz = 0 exactly), and garbage columns past V only reach output rows past V,
-    which are never written back."""
-    refs = list(refs)
-    h_ref, w_ref = refs.pop(0), refs.pop(0)
-    b_ref = refs.pop(0) if has_bias else None
-    c_ref = refs.pop(0) if has_cw else None
-    g_ref, dw_ref = refs.pop(0), refs.pop(0)
-    db_ref = refs.pop(0) if has_bias else None
-    i = pl.program_id(1)
+    g = 0, h = 0 and ids -1 (dz = 0 exactly), and garbage columns past V only reach output rows
+    past V, which are never written back."""
+    (h_ref, w_ref, b_ref, c_ref, p_ref, ids_ref), rest, z_ref = _split_refs(refs, *flags)
+    g_ref, dw_ref = rest[0], rest[1]
+    db_ref = rest[2] if len(rest) > 2 else None
+    j, i = pl.program_id(0), pl.program_id(1)
 
     @pl.when(i == 0)
     def _init():
-        dw_ref[...] = jnp.zeros(dw_ref.shape, jnp.float32)
-        if db_ref is not None:
-            db_ref[...] = jnp.zeros(db_ref.shape, jnp.float32)
+        for ref in rest[1:]:
+            ref[...] = jnp.zeros(ref.shape, jnp.float32)
 
     h = h_ref[...]
-    z = _logits(h, w_ref[...], None if b_ref is None else b_ref[...])
-    # g arrives lane-replicated `[bn, 128]` (flash attention's layout for per-row scalars);
-    # repeating it along lanes gives the `[bn, bv]` row broadcast.
-    dz = _sigmoid(z) * pltpu.repeat(g_ref[...], block_v // LANES, axis=1)
-    if c_ref is not None:
-        dz = dz * c_ref[...]
+    z_ref[...] = _logits(h, w_ref[...], None if b_ref is None else b_ref[...])
+    columns = _columns(j, block_v)
+    cw_row, pw_row = (None if r is None else r[...] for r in (c_ref, p_ref))
+
+    def strip(rows):  # z_ref[rows] <- dz, in place
+        y = _targets(None if ids_ref is None else ids_ref[rows, :], columns)
+        # g arrives lane-replicated `[bn, 128]` (flash attention's layout for per-row scalars);
+        # repeating it along lanes gives the `[rows, bv]` row broadcast.
+        g = pltpu.repeat(g_ref[rows, :], block_v // LANES, axis=1)
+        z_ref[rows, :] = _dz_over_g(z_ref[rows, :], y, _weights(y, cw_row, pw_row)) * g
+
+    _for_each_strip(z_ref.shape[0], strip)
+    dz = z_ref[...]
     dw_ref[...] += lax.dot(
         dz.T.astype(h.dtype), h, precision=_precision(h.dtype), preferred_element_type=jnp.float32
     )
@@ -213,123 +312,119 @@ def _d_item_kernel(*refs, has_bias, has_cw, block_v):
 # pallas_call builders: (operands..., interpret) -> outputs. Shapes and options are bound statically.
 
 
-def _table_specs(has_bias, has_cw, block_v, index_map):
-    """BlockSpecs for item_weight's companions: bias and class weight as `[1, V]` rows."""
-    specs = []
-    if has_bias:
-        specs.append(pl.BlockSpec((1, block_v), index_map))
-    if has_cw:
-        specs.append(pl.BlockSpec((1, block_v), index_map))
+def _input_specs(flags, bs, d, num_slots, *, token_axis):
+    """BlockSpecs of `(h, w, bias?, cw?, pw?, ids?)`; the grid axis `token_axis` walks token tiles,
+    the other one item tiles."""
+    has_bias, has_cw, has_pw, has_ids = flags
+    bn, bv = bs.block_n, bs.block_v
+
+    def tokens(*grid_index):
+        return grid_index[token_axis]
+
+    def items(*grid_index):
+        return grid_index[1 - token_axis]
+
+    specs = [
+        pl.BlockSpec((bn, d), lambda *ij: (tokens(*ij), 0)),
+        pl.BlockSpec((bv, d), lambda *ij: (items(*ij), 0)),
+    ]
+    # bias, class and pos weight as `[1, V]` f32 rows.
+    specs += [pl.BlockSpec((1, bv), lambda *ij: (0, items(*ij)))] * (has_bias + has_cw + has_pw)
+    if has_ids:
+        # The full L as the last block dim: legal for any L (Mosaic pads it to 128 lanes in VMEM).
+        specs.append(pl.BlockSpec((bn, num_slots), lambda *ij: (tokens(*ij), 0)))
     return specs
 
 
-def _compiler_params(semantics, bs: BlockSizes):
-    return pltpu.CompilerParams(
-        dimension_semantics=semantics, vmem_limit_bytes=bs.vmem_limit_bytes
-    )
-
-
-def _forward_call(*operands, interpret, n_pad, v, d, bs, has_bias, has_cw, compute_counts):
-    bn, bv = bs.block_n, bs.block_v
-    grid = (n_pad // bn, pl.cdiv(v, bv))
-    in_specs = [
-        pl.BlockSpec((bn, d), lambda i, j: (i, 0)),
-        pl.BlockSpec((bv, d), lambda i, j: (j, 0)),
-        *_table_specs(has_bias, has_cw, bv, lambda i, j: (0, j)),
-    ]
-    out_spec = pl.BlockSpec((bn, LANES), lambda i, j: (i, 0))
-    n_out = 2 if compute_counts else 1
-    itemsize = operands[0].dtype.itemsize
-    kernel = functools.partial(
-        _forward_kernel,
-        has_bias=has_bias,
-        has_cw=has_cw,
-        compute_counts=compute_counts,
-        ragged_v=v % bv != 0,
-        v_total=v,
-        block_v=bv,
-    )
+def _pallas(kernel, *, bs, cost, **call_options):
+    """`pl.pallas_call` with what the three kernels share: the `[bn, bv]` f32 logits scratch that
+    they walk strip by strip, ("parallel", "arbitrary") grid semantics and the VMEM limit."""
     return pl.pallas_call(
         kernel,
+        scratch_shapes=[pltpu.VMEM((bs.block_n, bs.block_v), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=bs.vmem_limit_bytes
+        ),
+        cost_estimate=cost,
+        **call_options,
+    )
+
+
+def _cost(static, itemsize, *, matmuls, transcendentals, table_passes, token_passes, written):
+    """CostEstimate: `matmuls` `N x V x D` passes; HBM reads of hidden and ids `token_passes`
+    times and of the item table with its f32 rows `table_passes` times, plus `written` bytes."""
+    n_pad, v, d, flags = static["n_pad"], static["v"], static["d"], static["flags"]
+    tokens = n_pad * (d * itemsize + 4 * static["num_slots"])
+    table = v * (d * itemsize + 4 * sum(flags[:3]))
+    return pl.CostEstimate(
+        flops=2 * matmuls * n_pad * v * d,
+        transcendentals=transcendentals * n_pad * v,
+        bytes_accessed=token_passes * tokens + table_passes * table + written,
+    )
+
+
+def _forward_call(*operands, interpret, compute_counts, **static):
+    n_pad, v, d, bs, flags = (static[k] for k in ("n_pad", "v", "d", "bs", "flags"))
+    grid = (n_pad // bs.block_n, pl.cdiv(v, bs.block_v))
+    n_out = 1 + compute_counts * (1 + flags[3])  # loss, then predicted and hits
+    kernel = functools.partial(_forward_kernel, flags=flags, compute_counts=compute_counts,
+                               ragged_v=v % bs.block_v != 0, v_total=v, block_v=bs.block_v)
+    return _pallas(
+        kernel,
+        bs=bs,
+        cost=_cost(static, operands[0].dtype.itemsize, matmuls=1, transcendentals=2,
+                   table_passes=grid[0], token_passes=1, written=n_out * n_pad * LANES * 4),
         grid=grid,
-        in_specs=in_specs,
-        out_specs=[out_spec] * n_out,
+        in_specs=_input_specs(flags, bs, d, static["num_slots"], token_axis=0),
+        out_specs=[pl.BlockSpec((bs.block_n, LANES), lambda i, j: (i, 0))] * n_out,
         out_shape=[jax.ShapeDtypeStruct((n_pad, LANES), jnp.float32)] * n_out,
-        compiler_params=_compiler_params(("parallel", "arbitrary"), bs),
-        cost_estimate=pl.CostEstimate(
-            flops=2 * n_pad * v * d,
-            transcendentals=2 * n_pad * v,
-            bytes_accessed=n_pad * d * itemsize + grid[0] * v * d * itemsize,
-        ),
         interpret=interpret,
-        name="cutbce_background_fwd",
+        name="cutbce_rows_fwd",
     )(*operands)
 
 
-def _d_hidden_call(*operands, interpret, n_pad, v, d, bs, has_bias, has_cw):
-    bn, bv = bs.block_n, bs.block_v
-    grid = (n_pad // bn, pl.cdiv(v, bv))
-    in_specs = [
-        pl.BlockSpec((bn, d), lambda i, j: (i, 0)),
-        pl.BlockSpec((bv, d), lambda i, j: (j, 0)),
-        *_table_specs(has_bias, has_cw, bv, lambda i, j: (0, j)),
-    ]
-    itemsize = operands[0].dtype.itemsize
-    kernel = functools.partial(
-        _d_hidden_kernel,
-        has_bias=has_bias,
-        has_cw=has_cw,
-        ragged_v=v % bv != 0,
-        v_total=v,
-        block_v=bv,
-    )
-    return pl.pallas_call(
+def _d_hidden_call(*operands, interpret, **static):
+    n_pad, v, d, bs, flags = (static[k] for k in ("n_pad", "v", "d", "bs", "flags"))
+    grid = (n_pad // bs.block_n, pl.cdiv(v, bs.block_v))
+    kernel = functools.partial(_d_hidden_kernel, flags=flags, ragged_v=v % bs.block_v != 0,
+                               v_total=v, block_v=bs.block_v)
+    return _pallas(
         kernel,
+        bs=bs,
+        cost=_cost(static, operands[0].dtype.itemsize, matmuls=2, transcendentals=1,
+                   table_passes=grid[0], token_passes=1, written=n_pad * d * 4),
         grid=grid,
-        in_specs=in_specs,
-        out_specs=pl.BlockSpec((bn, d), lambda i, j: (i, 0)),
+        in_specs=_input_specs(flags, bs, d, static["num_slots"], token_axis=0),
+        out_specs=pl.BlockSpec((bs.block_n, d), lambda i, j: (i, 0)),
         out_shape=jax.ShapeDtypeStruct((n_pad, d), jnp.float32),
-        compiler_params=_compiler_params(("parallel", "arbitrary"), bs),
-        cost_estimate=pl.CostEstimate(
-            flops=4 * n_pad * v * d,
-            transcendentals=n_pad * v,
-            bytes_accessed=n_pad * d * (itemsize + 4) + grid[0] * v * d * itemsize,
-        ),
         interpret=interpret,
-        name="cutbce_background_d_hidden",
+        name="cutbce_rows_d_hidden",
     )(*operands)
 
 
-def _d_item_call(*operands, interpret, n_pad, v, d, bs, has_bias, has_cw):
+def _d_item_call(*operands, interpret, **static):
+    n_pad, v, d, bs, flags = (static[k] for k in ("n_pad", "v", "d", "bs", "flags"))
     bn, bv = bs.block_n, bs.block_v
     grid = (pl.cdiv(v, bv), n_pad // bn)
-    in_specs = [
-        pl.BlockSpec((bn, d), lambda j, i: (i, 0)),
-        pl.BlockSpec((bv, d), lambda j, i: (j, 0)),
-        *_table_specs(has_bias, has_cw, bv, lambda j, i: (0, j)),
-        pl.BlockSpec((bn, LANES), lambda j, i: (i, 0)),
-    ]
     out_specs = [pl.BlockSpec((bv, d), lambda j, i: (j, 0))]
     out_shape = [jax.ShapeDtypeStruct((v, d), jnp.float32)]
-    if has_bias:
+    if flags[0]:  # d_bias
         out_specs.append(pl.BlockSpec((1, bv), lambda j, i: (0, j)))
         out_shape.append(jax.ShapeDtypeStruct((1, v), jnp.float32))
-    itemsize = operands[0].dtype.itemsize
-    kernel = functools.partial(_d_item_kernel, has_bias=has_bias, has_cw=has_cw, block_v=bv)
-    return pl.pallas_call(
-        kernel,
+    return _pallas(
+        functools.partial(_d_item_kernel, flags=flags, block_v=bv),
+        bs=bs,
+        # The lane-replicated g is read with hidden, once per item tile.
+        cost=_cost(static, operands[0].dtype.itemsize, matmuls=2, transcendentals=1,
+                   table_passes=1, token_passes=grid[0],
+                   written=v * d * 4 + grid[0] * n_pad * LANES * 4),
         grid=grid,
-        in_specs=in_specs,
+        in_specs=[*_input_specs(flags, bs, d, static["num_slots"], token_axis=1),
+                  pl.BlockSpec((bn, LANES), lambda j, i: (i, 0))],  # lane-replicated g
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=_compiler_params(("parallel", "arbitrary"), bs),
-        cost_estimate=pl.CostEstimate(
-            flops=4 * n_pad * v * d,
-            transcendentals=n_pad * v,
-            bytes_accessed=v * d * (itemsize + 4) + grid[0] * n_pad * (d * itemsize + 4 * LANES),
-        ),
         interpret=interpret,
-        name="cutbce_background_d_item",
+        name="cutbce_rows_d_item",
     )(*operands)
 
 
@@ -353,11 +448,11 @@ def _on_platform(call, *operands):
 # Public launchers.
 
 
-def _check_inputs(hidden, item_weight, bias, class_weight):
+def _check_inputs(hidden, item_weight, bias, class_weight, pos_weight, ids):
     for name, x in (("hidden", hidden), ("item_weight", item_weight)):
         if jnp.dtype(x.dtype) not in _SUPPORTED_DTYPES:
             raise TypeError(
-                f"Pallas background kernels take float32 or bfloat16 {name}, got {x.dtype}: "
+                f"Pallas kernels take float32 or bfloat16 {name}, got {x.dtype}: "
                 "TPU has no float64 (use the blocked JAX path) and float16 should be cast to "
                 "bfloat16"
             )
@@ -367,24 +462,33 @@ def _check_inputs(hidden, item_weight, bias, class_weight):
         raise ValueError(f"expected hidden [N, D] and item_weight [V, D], got "
                          f"{hidden.shape} and {item_weight.shape}")
     v = item_weight.shape[0]
-    for name, x in (("bias", bias), ("class_weight", class_weight)):
+    for name, x in (("bias", bias), ("class_weight", class_weight), ("pos_weight", pos_weight)):
         if x is not None and x.shape != (v,):
             raise ValueError(f"{name} must have shape [V] = ({v},), got {x.shape}")
+    if ids.ndim != 2 or ids.shape[0] != hidden.shape[0]:
+        raise ValueError(f"ids must have shape [N, L] with N = {hidden.shape[0]}, got {ids.shape}")
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise TypeError(f"ids must be integer, got {ids.dtype}")
 
 
-def _prepare(hidden, item_weight, bias, class_weight, block_sizes):
-    """Pick and clip the tiles, pad hidden rows to a tile multiple, shape the row vectors."""
-    _check_inputs(hidden, item_weight, bias, class_weight)
+def _prepare(hidden, item_weight, bias, class_weight, pos_weight, ids, block_sizes):
+    """Pick and clip the tiles, pad hidden rows (zeros) and ids (-1) to a tile multiple, shape the
+    row vectors. Returns `(operands, static)`: the kernels' inputs in order and the options."""
+    _check_inputs(hidden, item_weight, bias, class_weight, pos_weight, ids)
     n, d = hidden.shape
     v = item_weight.shape[0]
-    bs = block_sizes or default_block_sizes(n, v, d, hidden.dtype)
+    num_slots = ids.shape[1]
+    bs = block_sizes or default_block_sizes(n, v, d, hidden.dtype, num_targets=num_slots)
     bs = bs.clipped(n, v)
     n_pad = -(-n // bs.block_n) * bs.block_n
-    h = jnp.pad(hidden, ((0, n_pad - n), (0, 0))) if n_pad != n else hidden
-    rows = [x.astype(jnp.float32).reshape(1, v) for x in (bias, class_weight) if x is not None]
-    static = dict(n_pad=n_pad, v=v, d=d, bs=bs, has_bias=bias is not None,
-                  has_cw=class_weight is not None)
-    return h, rows, static
+    operands = [jnp.pad(hidden, ((0, n_pad - n), (0, 0))) if n_pad != n else hidden, item_weight]
+    operands += [x.astype(jnp.float32).reshape(1, v)
+                 for x in (bias, class_weight, pos_weight) if x is not None]
+    if num_slots:
+        operands.append(jnp.pad(ids.astype(jnp.int32), ((0, n_pad - n), (0, 0)),
+                                constant_values=-1))
+    flags = (bias is not None, class_weight is not None, pos_weight is not None, num_slots > 0)
+    return operands, dict(n_pad=n_pad, v=v, d=d, num_slots=num_slots, bs=bs, flags=flags)
 
 
 def pallas_background_forward(
@@ -392,34 +496,43 @@ def pallas_background_forward(
     item_weight: jax.Array,
     bias: jax.Array | None,
     class_weight: jax.Array | None,
+    pos_weight: jax.Array | None,
+    ids: jax.Array,
     *,
     compute_counts: bool,
     block_sizes: BlockSizes | None = None,
-) -> tuple[jax.Array, jax.Array | None]:
-    """Dense background loss per row, without materializing `[N, V]` logits.
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+    """Exact per-row loss, without materializing `[N, V]` logits (formulas: module docstring).
 
     Args:
         hidden: `[N, D]` float32 or bfloat16.
         item_weight: `[V, D]`, same dtype as hidden.
         bias: `[V]` (cast to float32) or None for 0.
         class_weight: `[V]` (cast to float32) or None for 1.
-        compute_counts: also count the items with `z > 0` per row.
+        pos_weight: `[V]` (cast to float32) or None for 1; scales the positives' terms only.
+        ids: `[N, L]` integer, the positive item ids of each row, de-duplicated and in `[0, V)`;
+            every other slot holds -1. L may be 0 (no positives).
+        compute_counts: also count, per row, the items with `z > 0` and the positives among them.
         block_sizes: tiles and VMEM limit; None derives them from the chip (`default_block_sizes`).
 
     Returns:
-        `row_bg` `[N]` float32, `sum_v cw[v] * softplus(z[n, v])`, and `count_pos` `[N]` float32
-        (unweighted count of `z > 0`) or None when `compute_counts` is False.
+        `rows` `[N]` float32, `sum_v cw * (pw * softplus(-z) if y else softplus(z))`; and, when
+        `compute_counts` (else None each), `predicted` `[N]` float32, the count of `z > 0`, and
+        `hits` `[N]` float32, the count of positives with `z > 0` (both unweighted).
 
     Raises:
-        TypeError: for float64 or float16 inputs, or mismatched dtypes.
+        TypeError: for float64 or float16 inputs, mismatched dtypes, or non-integer ids.
+        ValueError: for inconsistent shapes.
     """
     n = hidden.shape[0]
-    h, rows, static = _prepare(hidden, item_weight, bias, class_weight, block_sizes)
+    operands, static = _prepare(hidden, item_weight, bias, class_weight, pos_weight, ids,
+                                block_sizes)
     call = functools.partial(_forward_call, compute_counts=compute_counts, **static)
-    outs = _on_platform(call, h, item_weight, *rows)
-    row_bg = jnp.sum(outs[0][:n], axis=1)
-    count_pos = jnp.sum(outs[1][:n], axis=1) if compute_counts else None
-    return row_bg, count_pos
+    outs = [jnp.sum(x[:n], axis=1) for x in _on_platform(call, *operands)]
+    if not compute_counts:
+        return outs[0], None, None
+    hits = outs[2] if static["num_slots"] else jnp.zeros((n,), jnp.float32)
+    return outs[0], outs[1], hits
 
 
 def pallas_background_backward(
@@ -427,21 +540,21 @@ def pallas_background_backward(
     item_weight: jax.Array,
     bias: jax.Array | None,
     class_weight: jax.Array | None,
+    pos_weight: jax.Array | None,
+    ids: jax.Array,
     g: jax.Array,
     *,
     block_sizes: BlockSizes | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-    """Gradients of `sum_n g[n] * row_bg[n]` with respect to hidden, item_weight and bias.
+    """Gradients of `sum_n g[n] * rows[n]` with respect to hidden, item_weight and bias.
 
-    `dz[n, v] = g[n] * cw[v] * sigmoid(z[n, v])`; two kernels recompute the logits: one reduces over
-    items for d_hidden, the other over positions for d_item_weight and d_bias.
+    `dz[n, v] = g[n] * cw[v] * (-pw[v] * sigmoid(-z) if y else sigmoid(z))`; two kernels recompute
+    the logits: one reduces over items for d_hidden, the other over positions for d_item_weight
+    and d_bias.
 
     Args:
-        hidden: `[N, D]` float32 or bfloat16.
-        item_weight: `[V, D]`, same dtype as hidden.
-        bias: `[V]` or None.
-        class_weight: `[V]` or None.
-        g: `[N]` upstream gradient of row_bg (cast to float32).
+        hidden, item_weight, bias, class_weight, pos_weight, ids: as in `pallas_background_forward`.
+        g: `[N]` upstream gradient of rows (cast to float32).
         block_sizes: tiles and VMEM limit; None derives them from the chip.
 
     Returns:
@@ -449,21 +562,21 @@ def pallas_background_backward(
         (None when bias is None).
 
     Raises:
-        TypeError: for float64 or float16 inputs, or mismatched dtypes.
+        TypeError: for float64 or float16 inputs, mismatched dtypes, or non-integer ids.
+        ValueError: for inconsistent shapes.
     """
     n = hidden.shape[0]
     if g.shape != (n,):
         raise ValueError(f"g must have shape [N] = ({n},), got {g.shape}")
-    h, rows, static = _prepare(hidden, item_weight, bias, class_weight, block_sizes)
+    operands, static = _prepare(hidden, item_weight, bias, class_weight, pos_weight, ids,
+                                block_sizes)
     g32 = g.astype(jnp.float32)
-    acc = _on_platform(functools.partial(_d_hidden_call, **static), h, item_weight, *rows)
+    acc = _on_platform(functools.partial(_d_hidden_call, **static), *operands)
     d_hidden = g32[:, None] * acc[:n]
     # Padded rows get g = 0, so their (finite) sigmoids add nothing to d_item_weight or d_bias.
     g_lanes = jnp.broadcast_to(
         jnp.pad(g32, (0, static["n_pad"] - n))[:, None], (static["n_pad"], LANES)
     )
-    outs = _on_platform(
-        functools.partial(_d_item_call, **static), h, item_weight, *rows, g_lanes
-    )
+    outs = _on_platform(functools.partial(_d_item_call, **static), *operands, g_lanes)
     d_bias = outs[1][0] if bias is not None else None
     return d_hidden, outs[0], d_bias

@@ -1,13 +1,15 @@
-"""Rung L2: the Pallas background kernels (interpret mode on CPU) against a float64 dense oracle.
+"""Rung L2: the Pallas kernels (interpret mode on CPU) against a float64 dense oracle.
 
-The kernels compute only the dense background of CutBCE (no targets):
-    row_bg[n] = sum_v cw[v] softplus(z[n, v]),  count_pos[n] = sum_v (z[n, v] > 0),
-    dz = g[n] cw[v] sigmoid(z[n, v]) -> d_hidden, d_item_weight, d_bias,
-with z = hidden @ item_weight.T + bias. The oracle below evaluates those formulas in float64 numpy
-on the same (already rounded) inputs. Shapes are deliberately odd: N, V and D are multiples of no
-block, N can be smaller than one block, and the last item tile is ragged, so the masking of items
-past V and the padding of rows are both exercised (in interpret mode Pallas fills out-of-bounds
-block rows with NaN, so a missing mask shows up as NaN here).
+The kernels compute every element's exact loss in its tile (formulas: the docstring of
+jax_kernels/pallas_background.py, DESIGN.md section 2): with y[n, v] = (v in ids[n]),
+    rows[n] = sum_v cw[v] (pw[v] softplus(-z) if y else softplus(z)),
+    predicted[n] = sum_v (z > 0),  hits[n] = sum_v y (z > 0),
+    dz = g[n] cw[v] (-pw[v] sigmoid(-z) if y else sigmoid(z)) -> d_hidden, d_item_weight, d_bias.
+The oracle evaluates them in float64 numpy on the same (already rounded) inputs. Shapes are
+deliberately odd: N, V and D are multiples of no block, N can be smaller than one block, and the
+last item tile is ragged, so the masking of items past V and the padding of rows are both
+exercised (in interpret mode Pallas fills out-of-bounds block rows with NaN, so a missing mask
+shows up as NaN here). Ids are random sets with -1 slots and rows without any positive.
 """
 
 from __future__ import annotations
@@ -31,44 +33,79 @@ from jax_kernels.block_sizes import (
 )
 from jax_kernels.pallas_background import pallas_background_backward, pallas_background_forward
 
-# Relative error = max |fast - truth| / max |truth|. float32 must match the float64 truth to 1e-5;
-# bfloat16 must be no worse than a dense bfloat16 computation plus this margin (DESIGN.md sec. 2).
+# rows: float32 within 1e-5 of the float64 truth, each row on its own. Gradients: relative to the
+# tensor's largest entry. bfloat16 must be no worse than a dense bfloat16 computation plus this
+# margin (DESIGN.md section 2).
 F32_RTOL = 1e-5
 BF16_MARGIN = 1e-3
-OUTPUTS = ("row_bg", "d_hidden", "d_item_weight", "d_bias")
+GRADS = ("d_hidden", "d_item_weight", "d_bias")
 
 
-def assert_close(name, fast, truth, rtol, reference=None):
-    """Fail with the max error, where it is, and the fast / reference / truth values there."""
+def assert_close(name, fast, truth, rtol, reference=None, *, per_element=False):
+    """Fail with the max error, where it is, and the fast / reference / truth values there.
+
+    The error is `|fast - truth| / max |truth|`, or with `per_element` `|fast - truth| / |truth|`.
+    """
     fast = np.asarray(fast, np.float64)
     truth = np.asarray(truth, np.float64)
     assert fast.shape == truth.shape, f"{name}: shape {fast.shape} != {truth.shape}"
-    err = np.abs(fast - truth)
-    where = np.unravel_index(int(np.nanargmax(np.where(np.isnan(err), np.inf, err))), err.shape)
-    rel = float(np.max(np.where(np.isnan(err), np.inf, err)) / max(np.max(np.abs(truth)), 1e-30))
+    scale = np.abs(truth) if per_element else np.max(np.abs(truth))
+    rel = np.abs(fast - truth) / np.maximum(scale, 1e-300)
+    rel = np.where(np.isnan(rel), np.inf, rel)
+    where = np.unravel_index(int(np.argmax(rel)), rel.shape)
     ref_txt = "" if reference is None else f" reference={np.asarray(reference, np.float64)[where]!r}"
-    assert rel <= rtol, (
-        f"{name}: relative max error {rel:.3e} > {rtol:.1e} at {where}: fast={fast[where]!r}"
+    assert rel[where] <= rtol, (
+        f"{name}: relative error {rel[where]:.3e} > {rtol:.1e} at {where}: fast={fast[where]!r}"
         f"{ref_txt} truth={truth[where]!r}"
     )
 
 
-def oracle(hidden, item_weight, bias, class_weight, g):
-    """Float64 dense truth: (row_bg, count_pos, d_hidden, d_item_weight, d_bias, |z|)."""
+def assert_rows(name, rows, truth):
+    """float32 rows: each within F32_RTOL of its float64 truth, and never below zero."""
+    assert rows.dtype == jnp.float32, name
+    rows = np.asarray(rows, np.float64)
+    assert (rows >= 0).all(), f"{name}: negative rows at {np.flatnonzero(rows < 0)[:5]}"
+    assert_close(name, rows, truth, F32_RTOL, per_element=True)
+
+
+def oracle(hidden, item_weight, bias, class_weight, pos_weight, ids, g):
+    """Float64 dense truth: a dict of rows, predicted, hits, the gradients, |z| and y."""
     h = np.asarray(hidden, np.float64)
     w = np.asarray(item_weight, np.float64)
     z = h @ w.T
     if bias is not None:
         z = z + np.asarray(bias, np.float64)
+    y = np.zeros(z.shape, bool)
+    rows_of, slots = np.nonzero(np.asarray(ids) >= 0)
+    y[rows_of, np.asarray(ids)[rows_of, slots]] = True
     cw = 1.0 if class_weight is None else np.asarray(class_weight, np.float64)
-    row_bg = (np.logaddexp(0.0, z) * cw).sum(axis=1)
-    count = (z > 0).sum(axis=1).astype(np.float64)
-    # sigmoid via tanh: no overflow warning at |z| ~ 50.
-    dz = np.asarray(g, np.float64)[:, None] * cw * (0.5 * (1.0 + np.tanh(0.5 * z)))
-    return row_bg, count, dz @ w, dz.T @ h, dz.sum(axis=0), np.abs(z)
+    pw = 1.0 if pos_weight is None else np.asarray(pos_weight, np.float64)
+    wgt = cw * np.where(y, pw, 1.0)
+    zs = np.where(y, -z, z)
+    # exp(-|zs|): no overflow at |z| ~ 100, and no 1 - (1 - tiny) (a tanh form loses 3e-3 of
+    # sigmoid(-31) that way).
+    e = np.exp(-np.abs(zs))
+    sig = np.where(zs >= 0, 1.0, e) / (1.0 + e)
+    dz = np.asarray(g, np.float64)[:, None] * wgt * np.where(y, -sig, sig)
+    return dict(
+        rows=(wgt * np.logaddexp(0.0, zs)).sum(axis=1),
+        predicted=(z > 0).sum(axis=1).astype(np.float64),
+        hits=(y & (z > 0)).sum(axis=1).astype(np.float64),
+        d_hidden=dz @ w, d_item_weight=dz.T @ h, d_bias=dz.sum(axis=0), abs_z=np.abs(z), y=y,
+    )
 
 
-def make_inputs(seed, n, v, d, *, dtype=np.float32, bias=True, class_weight=True, logit_scale=4.0):
+def random_ids(rng, n, v, num_slots):
+    """`[N, L]` int32 sets: each row holds 0..L distinct ids in shuffled slots, the rest -1."""
+    ids = np.full((n, num_slots), -1, np.int32)
+    for row in range(n):
+        k = int(rng.integers(0, min(num_slots, v) + 1))
+        ids[row, rng.permutation(num_slots)[:k]] = rng.choice(v, size=k, replace=False)
+    return ids
+
+
+def make_inputs(seed, n, v, d, num_slots, *, dtype=np.float32, bias=True, class_weight=True,
+                pos_weight=True, logit_scale=4.0):
     """Random inputs whose logits have standard deviation about `logit_scale`, and a random,
     non-uniform upstream gradient with a few exact zeros (padded positions)."""
     rng = np.random.default_rng(seed)
@@ -76,117 +113,218 @@ def make_inputs(seed, n, v, d, *, dtype=np.float32, bias=True, class_weight=True
     item_weight = rng.normal(size=(v, d))
     b = rng.normal(size=v).astype(np.float32) if bias else None
     cw = rng.uniform(0.25, 2.0, size=v).astype(np.float32) if class_weight else None
+    pw = rng.uniform(0.5, 3.0, size=v).astype(np.float32) if pos_weight else None
     g = rng.normal(size=n).astype(np.float32)
     g[rng.random(n) < 0.1] = 0.0
     cast = (lambda x: jnp.asarray(x, jnp.bfloat16)) if dtype == jnp.bfloat16 else (
         lambda x: np.asarray(x, np.float32))
-    return cast(hidden), cast(item_weight), b, cw, g
+    return cast(hidden), cast(item_weight), b, cw, pw, random_ids(rng, n, v, num_slots), g
 
 
-def run_kernels(hidden, item_weight, bias, class_weight, g, block_sizes):
+def make_confident_inputs(seed, n, v, extra_d, num_slots):
+    """Rows of confident predictions whose float32 logits are exact.
+
+    item_weight[v] = c[v] * e_perm(v) (c a power of two, perm a permutation of the first V
+    columns) plus `extra_d` random columns that these rows' hidden vectors leave at 0, so every
+    product but one is an exact 0; the logits are multiples of 1/64 and the bias of 1/4, so
+    `z = hidden . item_weight + bias` is exact in float32. The even rows have 1..L positives at z
+    in +20..+100 and their negatives in -50..hi, hi one of -10, -25, -40; at hi = -40 the
+    negatives add under 1e-15, so a positive's softplus(-z) (2e-9 at z = 20) can carry the row.
+    The odd rows are ordinary random rows (z ~ N(0, 16)) for contrast.
+    """
+    rng = np.random.default_rng(seed)
+    d = v + extra_d
+    perm = rng.permutation(v)
+    scale = rng.choice([0.5, 1.0, 2.0], size=v)
+    item_weight = np.zeros((v, d))
+    item_weight[np.arange(v), perm] = scale
+    item_weight[:, v:] = rng.normal(size=(v, extra_d))
+    bias = rng.integers(-8, 9, size=v) / 4.0
+    ids = np.full((n, num_slots), -1, np.int32)
+    hidden = rng.normal(size=(n, d)) * (4.0 / np.sqrt(d))
+    for row in range(0, n, 2):
+        k = int(rng.integers(1, num_slots + 1))
+        pos = rng.choice(v, size=k, replace=False)
+        ids[row, rng.permutation(num_slots)[:k]] = pos
+        hi = (-10.0, -25.0, -40.0)[(row // 2) % 3]
+        z = rng.uniform(-50.0, hi, size=v)
+        z[pos] = rng.uniform(20.0, 100.0, size=k)
+        z = np.round(z * 64) / 64
+        hidden[row] = 0.0
+        hidden[row, perm] = (z - bias) / scale
+    cw = rng.uniform(0.25, 2.0, size=v).astype(np.float32)
+    pw = rng.uniform(0.5, 3.0, size=v).astype(np.float32)
+    g = rng.normal(size=n).astype(np.float32)
+    f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+    return f32(hidden), f32(item_weight), f32(bias), cw, pw, ids, g
+
+
+def run_kernels(inputs, block_sizes):
+    """`(rows, predicted, hits, d_hidden, d_item_weight, d_bias)` from the jitted launchers."""
     fwd = jax.jit(pallas_background_forward, static_argnames=("compute_counts", "block_sizes"))
     bwd = jax.jit(pallas_background_backward, static_argnames=("block_sizes",))
-    row_bg, count = fwd(hidden, item_weight, bias, class_weight, compute_counts=True,
-                        block_sizes=block_sizes)
-    d_hidden, d_item_weight, d_bias = bwd(hidden, item_weight, bias, class_weight, g,
-                                          block_sizes=block_sizes)
-    return row_bg, count, d_hidden, d_item_weight, d_bias
+    return (*fwd(*inputs[:6], compute_counts=True, block_sizes=block_sizes),
+            *bwd(*inputs, block_sizes=block_sizes))
 
 
-def check_counts(count, truth_count, abs_z, band):
+def check_counts(name, fast, truth, band):
     """Counts of z > 0 are exact except for logits within `band` of 0, where float32 rounding
-    may flip the sign; allow one miscount per such item."""
-    count = np.asarray(count, np.float64)
-    ambiguous = (abs_z < band).sum(axis=1)
-    bad = np.abs(count - truth_count) > ambiguous
-    assert not bad.any(), (
-        f"count_pos off at rows {np.flatnonzero(bad)[:5]}: fast={count[bad][:5]} "
-        f"truth={truth_count[bad][:5]} ambiguous={ambiguous[bad][:5]}"
-    )
+    may flip the sign; allow one miscount per such item (for hits, per such positive)."""
+    ambiguous = truth["abs_z"] < band
+    for key, allowed in (("predicted", ambiguous), ("hits", ambiguous & truth["y"])):
+        count = np.asarray(fast[key], np.float64)
+        bad = np.abs(count - truth[key]) > allowed.sum(axis=1)
+        assert not bad.any(), (
+            f"{name}/{key} off at rows {np.flatnonzero(bad)[:5]}: fast={count[bad][:5]} "
+            f"truth={truth[key][bad][:5]}"
+        )
 
 
-# (n, v, d, bias, class_weight, logit_scale, block_n, block_v): grids stay small (<= 3 x 4) for
-# interpret-mode speed.
+def check_float32(name, inputs, block_sizes, band):
+    rows, predicted, hits, *grads = run_kernels(inputs, block_sizes)
+    truth = oracle(*inputs)
+    assert_rows(f"{name}/rows", rows, truth["rows"])
+    check_counts(name, dict(predicted=predicted, hits=hits), truth, band)
+    for key, got in zip(GRADS, grads):
+        if key == "d_bias" and inputs[2] is None:
+            assert got is None
+            continue
+        assert got.dtype == jnp.float32, key
+        assert_close(f"{name}/{key}", got, truth[key], F32_RTOL)
+    return truth
+
+
+# (n, v, d, L, bias, class_weight, pos_weight, logit_scale, block_n, block_v): grids stay small
+# (<= 3 x 4) for interpret-mode speed.
 F32_CASES = {
-    "ragged_n_v_d": (300, 1000, 72, True, True, 4.0, 128, 256),
-    "n_below_block_no_bias_no_cw": (37, 700, 40, False, False, 4.0, 128, 512),
-    "v_multiple_of_block_cw_only": (256, 512, 128, False, True, 4.0, 128, 256),
-    "bias_only_single_tile": (90, 333, 33, True, False, 4.0, 128, 384),
-    "logits_near_50": (200, 600, 24, True, True, 50.0, 128, 256),
+    "ragged_n_v_d": (300, 1000, 72, 4, True, True, True, 4.0, 128, 256),
+    "n_below_block_no_bias_no_cw_no_pw": (37, 700, 40, 3, False, False, False, 4.0, 128, 512),
+    "v_multiple_of_block_cw_only": (256, 512, 128, 2, False, True, False, 4.0, 128, 256),
+    "bias_pw_single_tile_no_slots": (90, 333, 33, 0, True, False, True, 4.0, 128, 384),
+    "logits_near_50_pw_only": (200, 600, 24, 9, True, False, True, 50.0, 128, 256),
 }
 
 
 @pytest.mark.parametrize("case", sorted(F32_CASES))
 def test_float32_matches_float64_oracle(case):
-    n, v, d, bias, cw, scale, block_n, block_v = F32_CASES[case]
-    inputs = make_inputs(sorted(F32_CASES).index(case), n, v, d, bias=bias, class_weight=cw, logit_scale=scale)
-    fast = run_kernels(*inputs, BlockSizes(block_n=block_n, block_v=block_v))
-    truth = oracle(*inputs)
-    if scale > 10:  # really exercise |z| ~ 50
-        assert truth[5].max() > 40.0
-    for name, got, want in zip(OUTPUTS, (fast[0], *fast[2:]), (truth[0], *truth[2:4], truth[4])):
-        if name == "d_bias" and not bias:
-            assert got is None
-            continue
-        assert got.dtype == jnp.float32, name
-        assert_close(f"{case}/{name}", got, want, F32_RTOL)
-    check_counts(fast[1], truth[1], truth[5], band=1e-4 * scale)
+    n, v, d, num_slots, bias, cw, pw, scale, block_n, block_v = F32_CASES[case]
+    inputs = make_inputs(sorted(F32_CASES).index(case), n, v, d, num_slots, bias=bias,
+                         class_weight=cw, pos_weight=pw, logit_scale=scale)
+    truth = check_float32(case, inputs, BlockSizes(block_n=block_n, block_v=block_v),
+                          band=1e-4 * scale)
+    if scale > 10:  # really exercise |z| ~ 50, positives included
+        assert truth["abs_z"].max() > 40.0 and truth["y"].any()
 
 
-def dense_bf16(hidden, item_weight, bias, class_weight, g):
+@pytest.mark.parametrize("pos_weight", [True, False], ids=["pw", "no_pw"])
+def test_confident_positives_exact_per_row(pos_weight):
+    """Positives at z = +20..+100 among negatives at -10..-50: no row loses its positives'
+    softplus(-z) to the rounding of a row sum that went through softplus(z) - z."""
+    inputs = list(make_confident_inputs(11, 150, 200, 9, 5))
+    if not pos_weight:
+        inputs[4] = None
+    truth = check_float32("confident", inputs, BlockSizes(block_n=128, block_v=128), band=1e-4)
+    confident = truth["rows"][::2]
+    assert confident.min() < 1e-16 and truth["abs_z"][::2].min() >= 10.0
+
+
+def test_single_item_confident_positive():
+    """V = 1: the item is a positive at z = 31 (row loss softplus(-31) = 3.4e-14), a negative at
+    z = -31, and a positive predicted wrong at z = -5; exact f32 logits (30 + bias 1)."""
+    hidden = np.zeros((3, 8), np.float32)
+    hidden[:, 0] = [30.0, -32.0, -6.0]
+    item_weight = np.zeros((1, 8), np.float32)
+    item_weight[0, 0] = 1.0
+    bias = np.ones(1, np.float32)
+    ids = np.array([[0, -1], [-1, -1], [-1, 0]], np.int32)
+    g = np.array([0.7, -1.3, 0.4], np.float32)
+    for pw in (None, np.full(1, 2.5, np.float32)):
+        inputs = (hidden, item_weight, bias, np.full(1, 0.75, np.float32), pw, ids, g)
+        rows, predicted, hits, *grads = run_kernels(inputs, None)
+        truth = oracle(*inputs)
+        wgt = 0.75 * (1.0 if pw is None else 2.5)
+        assert 3.4e-14 < truth["rows"][0] / wgt < 3.5e-14  # softplus(-31)
+        assert_rows("single/rows", rows, truth["rows"])
+        np.testing.assert_array_equal(predicted, [1, 0, 0])
+        np.testing.assert_array_equal(hits, [1, 0, 0])
+        for key, got in zip(GRADS, grads):  # element by element: the gradients span 1e-14..1
+            nonzero = truth[key] != 0
+            assert_close(f"single/{key}", np.asarray(got)[nonzero], truth[key][nonzero],
+                         F32_RTOL, per_element=True)
+
+
+def dense_bf16(hidden, item_weight, bias, class_weight, pos_weight, ids, g):
     """The same math run densely in bfloat16: the yardstick of the bf16 rule."""
     bf = jnp.bfloat16
+    y = jnp.asarray(oracle(hidden, item_weight, None, None, None, ids, g)["y"])
     z = hidden @ item_weight.T + jnp.asarray(bias, bf)
-    cw = jnp.asarray(class_weight, bf)
-    row_bg = (jax.nn.softplus(z) * cw).sum(axis=1)
-    dz = jnp.asarray(g, bf)[:, None] * cw * jax.nn.sigmoid(z)
-    return row_bg, dz @ item_weight, dz.T @ hidden, dz.sum(axis=0)
+    wgt = jnp.asarray(class_weight, bf) * jnp.where(y, jnp.asarray(pos_weight, bf), bf(1))
+    zs = jnp.where(y, -z, z)
+    sig = jax.nn.sigmoid(zs)
+    dz = jnp.asarray(g, bf)[:, None] * wgt * jnp.where(y, -sig, sig)
+    rows = (jax.nn.softplus(zs) * wgt).sum(axis=1)
+    return rows, dz @ item_weight, dz.T @ hidden, dz.sum(axis=0)
 
 
 def test_bfloat16_no_worse_than_dense_bfloat16():
-    inputs = make_inputs(7, 300, 1000, 72, dtype=jnp.bfloat16)
-    fast = run_kernels(*inputs, BlockSizes(block_n=128, block_v=256))
+    inputs = make_inputs(7, 300, 1000, 72, 6, dtype=jnp.bfloat16)
+    rows, predicted, hits, *grads = run_kernels(inputs, BlockSizes(block_n=128, block_v=256))
     truth = oracle(*inputs)
-    dense = jax.jit(dense_bf16)(*inputs)
-    for name, got, ref, want in zip(
-        OUTPUTS, (fast[0], *fast[2:]), dense, (truth[0], truth[2], truth[3], truth[4])
-    ):
-        assert got.dtype == jnp.float32, name
+    dense = dense_bf16(*inputs)
+    for key, got, ref in zip(("rows", *GRADS), (rows, *grads), dense):
+        assert got.dtype == jnp.float32, key
+        want = truth[key]
         ref_err = np.abs(np.asarray(ref, np.float64) - want).max() / np.abs(want).max()
-        assert_close(f"bf16/{name}", got, want, ref_err + BF16_MARGIN, reference=ref)
-    check_counts(fast[1], truth[1], truth[5], band=1e-3)
+        assert_close(f"bf16/{key}", got, want, ref_err + BF16_MARGIN, reference=ref)
+    check_counts("bf16", dict(predicted=predicted, hits=hits), truth, band=1e-3)
 
 
 def test_default_block_sizes_and_eager_call():
     """block_sizes=None derives tiles (portable chip on CPU); outside jit, platform_dependent
-    resolves to the interpreter eagerly."""
-    hidden, item_weight, bias, cw, g = make_inputs(3, 70, 300, 16)
-    row_bg, count = pallas_background_forward(hidden, item_weight, bias, cw, compute_counts=False)
-    assert count is None
-    d_hidden, d_item_weight, d_bias = pallas_background_backward(hidden, item_weight, None, cw, g)
+    resolves to the interpreter eagerly. compute_counts=False returns no counts; with L = 0,
+    hits are 0."""
+    hidden, item_weight, bias, cw, pw, ids, g = make_inputs(3, 70, 300, 16, 2)
+    rows, predicted, hits = pallas_background_forward(hidden, item_weight, bias, cw, pw, ids,
+                                                      compute_counts=False)
+    assert predicted is None and hits is None
+    assert_rows("default/rows", rows, oracle(hidden, item_weight, bias, cw, pw, ids, g)["rows"])
+    d_hidden, d_item_weight, d_bias = pallas_background_backward(hidden, item_weight, None, cw,
+                                                                 pw, ids, g)
     assert d_bias is None
-    truth = oracle(hidden, item_weight, bias, cw, g)
-    assert_close("default/row_bg", row_bg, truth[0], F32_RTOL)
-    truth_nb = oracle(hidden, item_weight, None, cw, g)
-    assert_close("default/d_hidden", d_hidden, truth_nb[2], F32_RTOL)
-    assert_close("default/d_item_weight", d_item_weight, truth_nb[3], F32_RTOL)
+    truth = oracle(hidden, item_weight, None, cw, pw, ids, g)
+    assert_close("default/d_hidden", d_hidden, truth["d_hidden"], F32_RTOL)
+    assert_close("default/d_item_weight", d_item_weight, truth["d_item_weight"], F32_RTOL)
+    no_slots = np.zeros((70, 0), np.int32)
+    _, predicted, hits = pallas_background_forward(hidden, item_weight, bias, cw, pw, no_slots,
+                                                   compute_counts=True)
+    np.testing.assert_array_equal(hits, np.zeros(70))
+    assert predicted.shape == (70,)
 
 
-def test_unsupported_dtypes_raise_type_error():
+def test_bad_inputs_raise():
     h64, w64 = np.zeros((4, 8)), np.zeros((16, 8))  # numpy float64: no jax x64 needed
+    h32, w32 = h64.astype(np.float32), w64.astype(np.float32)
+    ids = np.full((4, 2), -1, np.int32)
     with pytest.raises(TypeError, match="float64"):
-        pallas_background_forward(h64, w64, None, None, compute_counts=False)
+        pallas_background_forward(h64, w64, None, None, None, ids, compute_counts=False)
     with pytest.raises(TypeError, match="float64"):
-        pallas_background_backward(h64, w64, None, None, np.zeros(4, np.float32))
+        pallas_background_backward(h64, w64, None, None, None, ids, np.zeros(4, np.float32))
     with pytest.raises(TypeError, match="float16"):
         pallas_background_forward(h64.astype(np.float16), w64.astype(np.float16), None, None,
-                                  compute_counts=False)
+                                  None, ids, compute_counts=False)
     with pytest.raises(TypeError, match="must match"):
-        pallas_background_forward(h64.astype(np.float32), jnp.zeros((16, 8), jnp.bfloat16), None,
-                                  None, compute_counts=False)
-    with pytest.raises(ValueError, match="bias"):
-        pallas_background_forward(h64.astype(np.float32), w64.astype(np.float32),
-                                  np.zeros(15, np.float32), None, compute_counts=False)
+        pallas_background_forward(h32, jnp.zeros((16, 8), jnp.bfloat16), None, None, None, ids,
+                                  compute_counts=False)
+    for name, position in (("bias", 2), ("pos_weight", 4)):
+        args = [h32, w32, None, None, None, ids]
+        args[position] = np.zeros(15, np.float32)
+        with pytest.raises(ValueError, match=name):
+            pallas_background_forward(*args, compute_counts=False)
+    with pytest.raises(ValueError, match="ids"):
+        pallas_background_forward(h32, w32, None, None, None, ids[:3], compute_counts=False)
+    with pytest.raises(TypeError, match="ids"):
+        pallas_background_forward(h32, w32, None, None, None, ids.astype(np.float32),
+                                  compute_counts=False)
 
 
 def test_block_sizes_validate_and_hash():
@@ -208,11 +346,14 @@ def test_block_sizes_validate_and_hash():
 @pytest.mark.parametrize("chip", sorted(CHIPS))
 def test_default_block_sizes_fit_the_chip(chip):
     spec = CHIPS[chip]
-    for n, v, d, dtype in [(8192, 876939, 256, jnp.float32), (1000, 100000, 64, jnp.bfloat16),
-                           (1100, 1000, 96, jnp.bfloat16), (1, 50, 512, jnp.float32)]:
-        bs = default_block_sizes(n, v, d, dtype, chip=chip)
+    for n, v, d, dtype, slots in [(8192, 876939, 256, jnp.float32, 1),
+                                  (1000, 100000, 64, jnp.bfloat16, 32),
+                                  (1100, 1000, 96, jnp.bfloat16, 0),
+                                  (1, 50, 512, jnp.float32, 300)]:
+        bs = default_block_sizes(n, v, d, dtype, chip=chip, num_targets=slots)
         assert bs.vmem_limit_bytes == spec.vmem_limit_bytes < spec.vmem_bytes
-        assert vmem_estimate_bytes(bs.block_n, bs.block_v, d, dtype) <= bs.vmem_limit_bytes
+        assert (vmem_estimate_bytes(bs.block_n, bs.block_v, d, dtype, num_targets=slots)
+                <= bs.vmem_limit_bytes)
         assert bs.block_n % 128 == 0 and bs.block_v % 128 == 0
         if bs.block_v >= spec.mxu_width:
             assert bs.block_v % spec.mxu_width == 0, bs
@@ -222,6 +363,9 @@ def test_default_block_sizes_fit_the_chip(chip):
     if spec.vmem_bytes >= 64 << 20 and spec.cores_per_device == 1:
         assert default_block_sizes(1100, 10**6, 128, jnp.bfloat16, chip=chip).block_n == 640
     assert default_block_sizes(10, 10, 8, jnp.float32, chip=PORTABLE_CHIP).block_n == 128
+    # Up to 128 target slots share one lane-padded ids block.
+    assert vmem_estimate_bytes(512, 512, 64, jnp.float32, num_targets=1) == vmem_estimate_bytes(
+        512, 512, 64, jnp.float32, num_targets=128)
 
 
 CALL_JAX_SCRIPT = textwrap.dedent(
@@ -238,11 +382,11 @@ CALL_JAX_SCRIPT = textwrap.dedent(
 
     BS = BlockSizes(block_n=128, block_v=256)
 
-    def forward(h, w, b, c):  # module level: call_jax caches by id(fn)
-        return pallas_background_forward(h, w, b, c, compute_counts=True, block_sizes=BS)
+    def forward(h, w, b, c, p, ids):  # module level: call_jax caches by id(fn)
+        return pallas_background_forward(h, w, b, c, p, ids, compute_counts=True, block_sizes=BS)
 
-    def backward(h, w, b, c, g):
-        return pallas_background_backward(h, w, b, c, g, block_sizes=BS)
+    def backward(h, w, b, c, p, ids, g):
+        return pallas_background_backward(h, w, b, c, p, ids, g, block_sizes=BS)
 
     rng = np.random.default_rng(0)
     n, v, d = 200, 600, 40
@@ -250,16 +394,25 @@ CALL_JAX_SCRIPT = textwrap.dedent(
     w = rng.normal(size=(v, d)).astype(np.float32)
     b = rng.normal(size=v).astype(np.float32)
     c = rng.uniform(0.5, 2, size=v).astype(np.float32)
+    p = rng.uniform(0.5, 3, size=v).astype(np.float32)
+    ids = np.stack([rng.permutation(v)[:2] for _ in range(n)]).astype(np.int32)
+    ids[::3, 1] = -1
     g = rng.normal(size=n).astype(np.float32)
     dev = torch_xla.device()
     t = lambda x: torch.from_numpy(x).to(dev)
-    row_bg, count = xb.call_jax(forward, (t(h), t(w), t(b), t(c)))
-    grads = xb.call_jax(backward, (t(h), t(w), t(b), t(c), t(g)))
+    rows, predicted, hits = xb.call_jax(forward, (t(h), t(w), t(b), t(c), t(p), t(ids)))
+    grads = xb.call_jax(backward, (t(h), t(w), t(b), t(c), t(p), t(ids), t(g)))
     torch_xla.sync()
     z = h.astype(np.float64) @ w.T.astype(np.float64) + b
-    dz = g[:, None] * c / (1 + np.exp(-z))
-    pairs = [(row_bg, (np.logaddexp(0, z) * c).sum(1)), (count, (z > 0).sum(1)),
-             (grads[0], dz @ w), (grads[1], dz.T @ h), (grads[2], dz.sum(0))]
+    y = np.zeros((n, v), bool)
+    y[np.arange(n)[:, None].repeat(2, 1)[ids >= 0], ids[ids >= 0]] = True
+    wgt = c * np.where(y, p, 1.0)
+    zs = np.where(y, -z, z)
+    s = 1 / (1 + np.exp(-zs))
+    dz = g[:, None] * wgt * np.where(y, -s, s)
+    pairs = [(rows, (np.logaddexp(0, zs) * wgt).sum(1)), (predicted, (z > 0).sum(1)),
+             (hits, (y & (z > 0)).sum(1)), (grads[0], dz @ w), (grads[1], dz.T @ h),
+             (grads[2], dz.sum(0))]
     for got, want in pairs:
         got = got.cpu().numpy().astype(np.float64)
         rel = np.abs(got - want).max() / np.abs(want).max()

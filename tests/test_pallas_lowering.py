@@ -25,6 +25,7 @@ NS = (1000, 8192)
 VS = (1000, 100000, 876939)
 DS = (64, 96, 256)
 DTYPES = (jnp.float32, jnp.bfloat16)
+SLOTS = (0, 1, 8, 32, 3)  # L, target slots per row; 5 is prime to the other rotations
 TPU_CALL = "tpu_custom_call"
 
 
@@ -36,18 +37,20 @@ def exported_text(fn, *args):
     return export.export(jax.jit(fn), platforms=["tpu"])(*args).mlir_module()
 
 
-def lower_both(n, v, d, dtype, block_sizes, *, bias, class_weight, compute_counts):
+def lower_both(n, v, d, dtype, block_sizes, *, bias, class_weight, pos_weight, num_slots,
+               compute_counts):
     """Export forward and backward for TPU; return their module texts."""
 
-    def forward(h, w, b, c):
-        return pallas_background_forward(h, w, b, c, compute_counts=compute_counts,
+    def forward(h, w, b, c, p, ids):
+        return pallas_background_forward(h, w, b, c, p, ids, compute_counts=compute_counts,
                                          block_sizes=block_sizes)
 
-    def backward(h, w, b, c, g):
-        return pallas_background_backward(h, w, b, c, g, block_sizes=block_sizes)
+    def backward(h, w, b, c, p, ids, g):
+        return pallas_background_backward(h, w, b, c, p, ids, g, block_sizes=block_sizes)
 
     args = (sds((n, d), dtype), sds((v, d), dtype), sds((v,)) if bias else None,
-            sds((v,)) if class_weight else None)
+            sds((v,)) if class_weight else None, sds((v,)) if pos_weight else None,
+            sds((n, num_slots), jnp.int32))
     return exported_text(forward, *args), exported_text(backward, *args, sds((n,)))
 
 
@@ -55,11 +58,12 @@ def check_shape_matrix(chip, dtype):
     """Every (N, V, D) of the issue's matrix, forward (one kernel) and backward (two kernels).
     The optional inputs rotate with the loop index, so each variant meets every shape class."""
     for k, (n, v, d) in enumerate(itertools.product(NS, VS, DS)):
-        bias, class_weight, compute_counts = k % 2 == 0, k % 3 != 1, k % 4 < 2
-        block_sizes = default_block_sizes(n, v, d, dtype, chip=chip)
-        fwd, bwd = lower_both(n, v, d, dtype, block_sizes, bias=bias, class_weight=class_weight,
-                              compute_counts=compute_counts)
-        where = f"{chip} {jnp.dtype(dtype).name} N={n} V={v} D={d} {block_sizes}"
+        num_slots = SLOTS[k % len(SLOTS)]
+        options = dict(bias=k % 2 == 0, class_weight=k % 3 != 1, pos_weight=k % 4 != 3,
+                       num_slots=num_slots, compute_counts=k % 4 < 2)
+        block_sizes = default_block_sizes(n, v, d, dtype, chip=chip, num_targets=num_slots)
+        fwd, bwd = lower_both(n, v, d, dtype, block_sizes, **options)
+        where = f"{chip} {jnp.dtype(dtype).name} N={n} V={v} D={d} {block_sizes} {options}"
         assert fwd.count(TPU_CALL) == 1, f"forward not lowered to Mosaic: {where}"
         assert bwd.count(TPU_CALL) == 2, f"backward not lowered to two Mosaic kernels: {where}"
 
@@ -70,28 +74,41 @@ def test_shape_matrix_lowers_for_tpu(chip, dtype):
     check_shape_matrix(chip, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: jnp.dtype(t).name)
+def test_every_variant_lowers(dtype):
+    """Every combination of the optional inputs, counts and L = 0 / L > 0 on one odd shape."""
+    flags = ("bias", "class_weight", "pos_weight", "compute_counts")
+    for values in itertools.product((False, True), repeat=len(flags)):
+        for num_slots in (0, 5):
+            options = dict(zip(flags, values), num_slots=num_slots)
+            fwd, bwd = lower_both(300, 1000, 72, dtype, BlockSizes(block_n=128, block_v=256),
+                                  **options)
+            assert fwd.count(TPU_CALL) == 1 and bwd.count(TPU_CALL) == 2, options
+
+
 @pytest.mark.parametrize("chip", ["v5p", "v7", None])
 def test_other_chips_and_portable_default_lower(chip):
     """v5p and v7 budgets, and chip=None (no TPU here: the portable table row)."""
     for n, v, d, dtype in [(8192, 876939, 96, jnp.bfloat16), (1000, 100000, 256, jnp.float32)]:
         block_sizes = None if chip is None else default_block_sizes(n, v, d, dtype, chip=chip)
         fwd, bwd = lower_both(n, v, d, dtype, block_sizes, bias=True, class_weight=True,
-                              compute_counts=True)
+                              pos_weight=True, num_slots=20, compute_counts=True)
         assert fwd.count(TPU_CALL) == 1 and bwd.count(TPU_CALL) == 2
 
 
 def test_user_block_sizes_and_tiny_shapes_lower():
-    """Hand-picked tiles, including ones larger than the problem (clipped) and a single row."""
+    """Hand-picked tiles, including ones larger than the problem (clipped), a single row, a single
+    item and more target slots than one 128-lane block holds."""
     cases = [
-        (1, 1, 8, jnp.float32, BlockSizes(block_n=1024, block_v=4096)),
-        (5, 100, 64, jnp.bfloat16, BlockSizes(block_n=128, block_v=128)),
-        (1000, 1000, 96, jnp.float32, BlockSizes(block_n=1024, block_v=1024)),
-        (300, 70000, 33, jnp.bfloat16, BlockSizes(block_n=256, block_v=8192,
-                                                  vmem_limit_bytes=64 << 20)),
+        (1, 1, 8, 1, jnp.float32, BlockSizes(block_n=1024, block_v=4096)),
+        (5, 100, 64, 0, jnp.bfloat16, BlockSizes(block_n=128, block_v=128)),
+        (1000, 1000, 96, 200, jnp.float32, BlockSizes(block_n=1024, block_v=1024)),
+        (300, 70000, 33, 7, jnp.bfloat16, BlockSizes(block_n=256, block_v=8192,
+                                                     vmem_limit_bytes=64 << 20)),
     ]
-    for n, v, d, dtype, block_sizes in cases:
+    for n, v, d, num_slots, dtype, block_sizes in cases:
         fwd, bwd = lower_both(n, v, d, dtype, block_sizes, bias=False, class_weight=False,
-                              compute_counts=False)
+                              pos_weight=False, num_slots=num_slots, compute_counts=False)
         assert fwd.count(TPU_CALL) == 1 and bwd.count(TPU_CALL) == 2
 
 
@@ -100,12 +117,13 @@ def test_cpu_lowering_uses_the_interpreter():
     the interpret=True branch."""
     block_sizes = BlockSizes(block_n=128, block_v=256)
 
-    def both(h, w, b, c, g):
-        row_bg, _ = pallas_background_forward(h, w, b, c, compute_counts=True,
-                                              block_sizes=block_sizes)
-        return row_bg, pallas_background_backward(h, w, b, c, g, block_sizes=block_sizes)
+    def both(h, w, b, c, p, ids, g):
+        rows, _, _ = pallas_background_forward(h, w, b, c, p, ids, compute_counts=True,
+                                               block_sizes=block_sizes)
+        return rows, pallas_background_backward(h, w, b, c, p, ids, g, block_sizes=block_sizes)
 
-    args = (sds((300, 40)), sds((700, 40)), sds((700,)), sds((700,)), sds((300,)))
+    args = (sds((300, 40)), sds((700, 40)), sds((700,)), sds((700,)), sds((700,)),
+            sds((300, 4), jnp.int32), sds((300,)))
     cpu_text = jax.jit(both).lower(*args).as_text()
     assert TPU_CALL not in cpu_text
     assert exported_text(both, *args).count(TPU_CALL) == 3
