@@ -38,24 +38,25 @@ class TileTargets:
 
     One flat buffer of `N * block_v + 1` booleans, all False between tiles: `mark` sets the
     tile's positives (ids outside the tile go to the spare last slot), `unmark` clears the same
-    slots. Both cost O(N L), independent of the tile's size.
+    slots. Both cost O(N L), independent of the tile's size. Tiles start at multiples of
+    `block_v`, so each id's tile and column are computed once, not per tile.
     """
 
     def __init__(self, ids: torch.Tensor, block_v: int):
-        self.ids = ids
         n = ids.shape[0]
-        self.spare = n * block_v
+        self.num_rows, self.block_v, self.spare = n, block_v, n * block_v
         self.buffer = torch.zeros(self.spare + 1, dtype=torch.bool, device=ids.device)
-        self.row_starts = torch.arange(n, device=ids.device).unsqueeze(-1)
+        self.tile = torch.where(ids >= 0, torch.div(ids, block_v, rounding_mode="floor"), -1)
+        self.row = torch.arange(n, device=ids.device).unsqueeze(-1)
+        self.column = ids - self.tile * block_v
         self.slots = None
 
     def mark(self, start: int, stop: int) -> torch.Tensor:
         width = stop - start
-        inside = (self.ids >= start) & (self.ids < stop)
-        flat = self.row_starts * width + (self.ids - start)
-        self.slots = torch.where(inside, flat, self.spare).reshape(-1)
+        flat = self.row * width + self.column
+        self.slots = torch.where(self.tile == start // self.block_v, flat, self.spare).reshape(-1)
         self.buffer.index_fill_(0, self.slots, True)
-        return self.buffer[: self.ids.shape[0] * width].view(-1, width)
+        return self.buffer[: self.num_rows * width].view(-1, width)
 
     def unmark(self) -> None:
         self.buffer.index_fill_(0, self.slots, False)
