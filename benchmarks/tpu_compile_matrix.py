@@ -1,0 +1,127 @@
+"""Compile CutBCE's training step for TPU chips over a shape matrix, on a host without a TPU.
+
+Each cell compiles `jax.value_and_grad` (hidden and item_weight) of
+`jax_kernels.cut_bce(impl='pallas')` with L = 8 target slots per position, through libtpu's
+compile-only client (`jax_kernels.tpu_compile`), and appends one CSV row: chip, dtype, N, V, D, L,
+status (ok / error / timeout), error text, seconds, XLA's memory analysis (temp, argument, output,
+generated code bytes) and the git sha. Nothing runs; the bytes are what the compiled program would
+hold in HBM. Every cell is a fresh subprocess with `.venv/libtpu-overlay` on PYTHONPATH, so a hung
+compile is cut off by `--timeout-s` and this process never loads libtpu.
+
+    .venv/bin/python benchmarks/tpu_compile_matrix.py --chips v5e --dtypes bfloat16 --n 8192 --d 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+OVERLAY = ROOT / ".venv" / "libtpu-overlay"
+CHIPS = ("v4", "v5e", "v5p", "v6e")
+DTYPES = ("float32", "bfloat16")
+NS = (1000, 8192, 16384)
+VS = (1000, 100_000, 876_939, 10_000_000)
+DS = (64, 96, 256)
+NUM_SLOTS = 8
+FIELDS = ("chip", "dtype", "N", "V", "D", "L", "status", "error", "seconds", "temp_bytes",
+          "argument_bytes", "output_bytes", "code_bytes", "git_sha")
+
+
+def git_sha() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def compile_one(chip, dtype, n, v, d, num_slots):
+    """Child side: one compile, printed as a JSON line (`CompileResult` fields)."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    import jax_kernels
+    from jax_kernels import tpu_compile
+
+    tpu_compile.pin_mosaic_version()
+
+    def step(hidden, item_weight, targets):
+        loss = lambda h, w: jax_kernels.cut_bce(h, w, targets, impl="pallas")
+        return jax.value_and_grad(loss, argnums=(0, 1))(hidden, item_weight)
+
+    result = tpu_compile.compile_for(chip, step, ((n, d), jnp.dtype(dtype)), ((v, d), jnp.dtype(dtype)),
+                                     ((n, num_slots), jnp.int32))
+    print("RESULT " + json.dumps(dataclasses.asdict(result)), flush=True)
+
+
+def run_cell(chip, dtype, n, v, d, num_slots, timeout_s):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(OVERLAY), str(ROOT)]),
+               ALLOW_MULTIPLE_LIBTPU_LOAD="1")  # compile-only: no chip for the lockfile to guard
+    cmd = [sys.executable, __file__, "--one", chip, dtype, str(n), str(v), str(d), str(num_slots)]
+    row = dict(chip=chip, dtype=dtype, N=n, V=v, D=d, L=num_slots)
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return dict(row, status="timeout", error=f"no result within {timeout_s} s", seconds=timeout_s)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if not lines:
+        return dict(row, status="error", error=f"exit {proc.returncode}: {proc.stderr[-500:]}")
+    r = json.loads(lines[-1][len("RESULT "):])
+    return dict(row, status="ok" if r["error"] is None else "error", error=(r["error"] or "")[:500],
+                seconds=round(r["seconds"], 2), temp_bytes=r["temp_bytes"],
+                argument_bytes=r["argument_bytes"], output_bytes=r["output_bytes"],
+                code_bytes=r["code_bytes"])
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--chips", nargs="+", default=CHIPS, choices=CHIPS)
+    p.add_argument("--dtypes", nargs="+", default=DTYPES, choices=DTYPES)
+    p.add_argument("--n", nargs="+", type=int, default=NS)
+    p.add_argument("--v", nargs="+", type=int, default=VS)
+    p.add_argument("--d", nargs="+", type=int, default=DS)
+    p.add_argument("--num-slots", type=int, default=NUM_SLOTS)
+    p.add_argument("--limit", type=int, default=None, help="compile at most this many cells, smallest first")
+    p.add_argument("--timeout-s", type=float, default=600.0, help="per compile")
+    p.add_argument("--out", type=Path, default=HERE / "results" / "tpu_compile_matrix.csv")
+    p.add_argument("--one", nargs=6, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.one:
+        chip, dtype, *sizes = args.one
+        return compile_one(chip, dtype, *map(int, sizes))
+    if not (OVERLAY / "libtpu").is_dir():
+        sys.exit(f"{OVERLAY} is missing: run ci/setup.sh")
+    cells = sorted(itertools.product(args.chips, args.dtypes, args.n, args.v, args.d),
+                   key=lambda c: (c[2] * c[4] + c[3] * c[4], c))  # smallest (N + V) D first
+    cells = cells[: args.limit] if args.limit is not None else cells
+    sha = git_sha()
+    new = not args.out.exists()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "a", newline="") as f:
+        writer = csv.DictWriter(f, FIELDS, restval="")
+        if new:
+            writer.writeheader()
+        for cell in cells:
+            row = dict(run_cell(*cell, args.num_slots, args.timeout_s), git_sha=sha)
+            writer.writerow(row)
+            f.flush()
+            mib = f"{row['temp_bytes'] / 2**20:.1f} MiB temp" if row.get("temp_bytes") is not None else ""
+            print(f"{row['chip']} {row['dtype']} N {row['N']} V {row['V']} D {row['D']}: {row['status']} "
+                  f"{row.get('seconds', '')} s {mib} {row['error'][:200]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Subprocess side of tests/test_tpu_compile.py: compiles the Pallas kernels for real TPU chips.
+
+Runs as `PYTHONPATH=.venv/libtpu-overlay:. python tests/_tpu_compile_worker.py OUT.json [CHIP ...]`,
+so libtpu is loaded here and never in the pytest process. Every case is compiled (nothing runs)
+with `jax_kernels.tpu_compile.compile_for`: the raw `pallas_background_forward` and
+`pallas_background_backward`, and `jax.value_and_grad` of `jax_kernels.cut_bce(impl='pallas')`
+with respect to hidden, item_weight and bias. OUT.json gets one record per compile. Importing this
+module only defines the case table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import json
+import sys
+
+CHIPS = ("v4", "v5e", "v5p", "v6e")
+OPTIONS = ("bias", "class_weight", "pos_weight", "counts")
+# Mostly odd shapes (N and V no multiple of 8 or 128) so that the ragged-tile and padding paths are
+# compiled; the last is the degenerate one-row, one-item case.
+SHAPES = ((37, 1001, 72), (130, 700, 40), (5, 99, 16), (61, 513, 24), (300, 2000, 64), (1, 1, 8))
+# The forward whose temp bytes the test bounds: v5e, bfloat16, N 8192, V 876,939, D 64, L 8.
+TEMP_CASE = dict(n=8192, v=876_939, d=64, num_slots=8, dtype="bfloat16", options=())
+
+
+def cases(chips=CHIPS):
+    """(chip, case) pairs: on every chip, every subset of OPTIONS with L = 0 and with L > 0 (32
+    cases), the dtype alternating with the parity of the options on, so that each chip compiles
+    both dtypes for every L and every option on and off; the shapes rotate through SHAPES."""
+    out = []
+    for c, chip in enumerate(chips):
+        for i, mask in enumerate(itertools.product((False, True), repeat=len(OPTIONS))):
+            for num_slots in (0, 3 + 6 * (i % 3)):
+                k = 2 * i + (num_slots > 0) + c
+                n, v, d = SHAPES[k % len(SHAPES)]
+                out.append((chip, dict(n=n, v=v, d=d, num_slots=num_slots,
+                                       dtype=("float32", "bfloat16")[(sum(mask) + c + (num_slots > 0)) % 2],
+                                       options=tuple(o for o, on in zip(OPTIONS, mask) if on))))
+    return out
+
+
+def _structs(case):
+    import jax.numpy as jnp
+
+    n, v, d, dtype = case["n"], case["v"], case["d"], jnp.dtype(case["dtype"])
+    opt = lambda name: ((v,), jnp.float32) if name in case["options"] else None
+    return dict(hidden=((n, d), dtype), item_weight=((v, d), dtype), bias=opt("bias"),
+                class_weight=opt("class_weight"), pos_weight=opt("pos_weight"),
+                ids=((n, case["num_slots"]), jnp.int32), g=((n,), jnp.float32))
+
+
+def _loss_and_grads(hidden, item_weight, targets, bias, class_weight, pos_weight, *, counts):
+    import jax
+
+    import jax_kernels
+
+    def loss(h, w, b):
+        out = jax_kernels.cut_bce(h, w, targets, b, class_weight=class_weight, pos_weight=pos_weight,
+                                  return_metrics=counts, impl="pallas")
+        return (out[0], out[1]) if counts else (out, ())
+
+    return jax.value_and_grad(loss, argnums=(0, 1, 2) if bias is not None else (0, 1),
+                              has_aux=True)(hidden, item_weight, bias)
+
+
+def compile_case(chip, case):
+    """The three compiles of one case, as JSON-ready records."""
+    from jax_kernels import tpu_compile
+    from jax_kernels.pallas_background import pallas_background_backward, pallas_background_forward
+
+    s = _structs(case)
+    counts = "counts" in case["options"]
+    common = (s["hidden"], s["item_weight"], s["bias"], s["class_weight"], s["pos_weight"], s["ids"])
+    jobs = {
+        "forward": (functools.partial(pallas_background_forward, compute_counts=counts), common),
+        "backward": (pallas_background_backward, common + (s["g"],)),
+        "cut_bce_value_and_grad": (functools.partial(_loss_and_grads, counts=counts),
+                                   (s["hidden"], s["item_weight"], s["ids"], s["bias"],
+                                    s["class_weight"], s["pos_weight"])),
+    }
+    return [dict(case, what=what, **dataclasses.asdict(tpu_compile.compile_for(chip, fn, *args)))
+            for what, (fn, args) in jobs.items()]
+
+
+def main(out_path, chips):
+    from jax_kernels import tpu_compile
+    from jax_kernels.pallas_background import pallas_background_forward
+
+    tpu_compile.pin_mosaic_version()
+    records = []
+    for chip, case in cases(chips):
+        records += compile_case(chip, case)
+        print(chip, case, [(r["what"], round(r["seconds"], 1), r["error"] and r["error"][:200])
+                           for r in records[-3:]], flush=True)
+    s = _structs(TEMP_CASE)
+    fwd = functools.partial(pallas_background_forward, compute_counts=False)
+    result = tpu_compile.compile_for("v5e", fwd, s["hidden"], s["item_weight"], None, None, None,
+                                     s["ids"])
+    records.append(dict(TEMP_CASE, what="forward_temp_bound",
+                        **dataclasses.asdict(result)))
+    with open(out_path, "w") as f:
+        json.dump(records, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], tuple(sys.argv[2:]) or CHIPS)
