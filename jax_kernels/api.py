@@ -98,7 +98,7 @@ def cut_bce(
     hidden, item_weight, targets, bias = a["hidden"], a["item_weight"], a["targets"], a["bias"]
     weight, class_weight, pos_weight = a["weight"], a["class_weight"], a["pos_weight"]
     block_v = size.block_v
-    if mesh is not None:
+    if mesh is not None and size.num_positions and size.hidden_size:  # an empty problem needs no mesh
         from jax_kernels.sharded import cut_bce_sharded  # lazy: sharded imports this module
 
         return cut_bce_sharded(

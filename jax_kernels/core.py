@@ -50,9 +50,15 @@ class CutBCEConfig:
             raise ValueError(f"block_v must be a positive int, got {self.block_v!r}")
 
 
+def _runs_pallas(config, hidden) -> bool:
+    # The kernels need a row and a hidden unit to tile; an empty problem (N = 0 or D = 0) runs the
+    # blocked loop, which gives the same (trivial) result.
+    return config.impl == "pallas" and hidden.shape[0] > 0 and hidden.shape[1] > 0
+
+
 def _forward(config, hidden, item_weight, bias, class_weight, pos_weight, ids):
     """`(rows [N], counts [2, N] or None)`: the exact rows, and the predicted positives and hits."""
-    if config.impl == "pallas":
+    if _runs_pallas(config, hidden):
         from jax_kernels.pallas_background import pallas_background_forward
 
         rows, predicted, hits = pallas_background_forward(
@@ -67,7 +73,7 @@ def _forward(config, hidden, item_weight, bias, class_weight, pos_weight, ids):
 
 
 def _backward(config, hidden, item_weight, bias, class_weight, pos_weight, ids, g):
-    if config.impl == "pallas":
+    if _runs_pallas(config, hidden):
         from jax_kernels.pallas_background import pallas_background_backward
 
         return pallas_background_backward(

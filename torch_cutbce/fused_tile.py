@@ -181,17 +181,19 @@ def _run(name: str, z: torch.Tensor, y: torch.Tensor, *args):
     global _compile_failed
     if not _can_compile(z):
         return _EAGER[name](z, y, *args)
-    # One kernel per function: a missing weight is a ones row (one multiply per element).
-    ones = None
-    compiled_args = list(args)
-    for k in range(min(2, len(args))):
-        if args[k] is None:
-            ones = torch.ones((1, z.shape[1]), dtype=z.dtype, device=z.device) if ones is None else ones
-            compiled_args[k] = ones
+    # One kernel per function, compiled once: dynamo guards on aliasing and on whether a small input
+    # is a view, so a missing weight becomes its own ones row (one multiply per element) and the
+    # `[1, bv]` / `[bn, 1]` inputs are passed as tensors of their own (a copy of a few KiB).
+    compiled_args = [
+        torch.ones((1, z.shape[1]), dtype=z.dtype, device=z.device) if a is None and k < 2
+        else (a.clone() if a is not None and k < 3 and a._base is not None else a)
+        for k, a in enumerate(args)
+    ]
     first = name not in _compile_seconds
     start = time.perf_counter()
     try:
-        out = _compiled(name, torch.get_num_threads())(z, y, *compiled_args)
+        with torch.no_grad():  # as inside the autograd Functions: one grad mode, one compiled kernel
+            out = _compiled(name, torch.get_num_threads())(z, y, *compiled_args)
     except Exception as error:  # a missing compiler, an inductor bug: the eager twin is exact too
         _compile_failed = True
         warnings.warn(f"torch_cutbce: torch.compile of the tile function failed ({error!r}); "
