@@ -23,8 +23,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_kernels.arguments import as_array, checked_ids, host_ids, spec
-from jax_kernels.shapes import check_arguments, reduction_divisor
+from jax_kernels.arguments import prepare
+from jax_kernels.shapes import reduction_divisor
 
 
 def multi_hot(targets: jax.Array, num_items: int, dtype=jnp.float32) -> jax.Array:
@@ -67,15 +67,10 @@ def dense_cut_bce(
       The loss (shape S for 'none', else a scalar), and with `return_metrics` a tuple of counts.
       Gradients come back in each input's dtype.
     """
-    hidden, item_weight, bias, weight, class_weight, pos_weight = (
-        as_array(name, x)
-        for name, x in zip(("hidden", "item_weight", "bias", "weight", "class_weight", "pos_weight"),
-                           (hidden, item_weight, bias, weight, class_weight, pos_weight))
-    )
-    targets = host_ids(targets)
-    size = check_arguments(spec(hidden), spec(item_weight), spec(targets), spec(bias), spec(weight),
-                           spec(class_weight), spec(pos_weight), reduction=reduction)
-    targets = checked_ids(targets, size.num_items)
+    size, a = prepare(hidden, item_weight, targets, bias, weight, class_weight, pos_weight,
+                      reduction=reduction, block_v=None)
+    hidden, item_weight, targets, bias = a["hidden"], a["item_weight"], a["targets"], a["bias"]
+    weight, class_weight, pos_weight = a["weight"], a["class_weight"], a["pos_weight"]
     lead_shape, num_items = size.lead_shape, size.num_items
     if compute_dtype is None:
         compute_dtype = jnp.float64 if hidden.dtype == jnp.float64 else jnp.float32

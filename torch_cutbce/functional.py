@@ -148,10 +148,6 @@ def cut_bce_with_logits(
     _check_constant("class_weight", class_weight)
     _check_constant("pos_weight", pos_weight)
     _check_ids_below_vocab(targets, size.num_items)
-    if targets.dtype in (torch.int8, torch.int16, torch.uint8):
-        # The engines compare ids with V and tile bounds, which need not fit in 8 or 16 bits
-        # (a uint8 `ids < 300` compares with 300 wrapped to 44). O(N L): a negligible copy.
-        targets = targets.long()
     if backend == "dense":
         return dense_bce_with_logits(
             hidden, item_weight, targets, bias, weight=weight, class_weight=class_weight,

@@ -42,7 +42,7 @@ def dense_bce_with_logits(
     lead_shape = hidden.shape[:-1]
     num_items = item_weight.shape[0]
     logits = F.linear(hidden, item_weight, bias)  # [*S, V]
-    multi_hot = ids_to_multi_hot(targets.long(), num_items, dtype=logits.dtype)  # V may not fit in int8
+    multi_hot = ids_to_multi_hot(targets, num_items, dtype=logits.dtype)
     elem_weight = None
     if weight is not None or class_weight is not None:
         elem_weight = torch.ones((), dtype=logits.dtype, device=logits.device)

@@ -211,6 +211,7 @@ def cut_bce_rows(
     # Item ids fit int32 (V < 2**31) and JAX without 64-bit mode reads int32. Ids outside [0, V)
     # become -1 BEFORE the narrowing cast (an int64 -2**32 would otherwise wrap to item 0); on XLA
     # they cannot be checked without a host sync, so they are ignored like padding (documented).
+    targets = targets.long()  # int8/uint8/int16 ids would compare with V wrapped to their range
     valid = (targets >= 0) & (targets < item_weight.shape[0])
     targets = torch.where(valid, targets, torch.full_like(targets, -1)).to(torch.int32)
     return xla_rows(
