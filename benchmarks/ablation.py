@@ -88,14 +88,12 @@ def tile_part(shape, block_v, rounds):
     with_log1p = torch.compile(log1p_rows_grad, dynamic=True, fullgraph=True, options=options)
     in_place = torch.compile(in_place_rows_grad, dynamic=True, fullgraph=True, options=options)
     shipped = fused_tile._compiled("rows_grad", torch.get_num_threads())
-    y = torch.zeros(n, block_v, dtype=torch.bool)  # the shipped tiles take the positives' mask and pos_weight
-    y[torch.arange(n), torch.randint(0, block_v, (n,))] = True
     z_scratch = z.clone()
     variants = {
-        "eager twin (torch.log1p, in-place ops)": lambda: fused_tile._EAGER["rows_grad"](z.clone(), y, None, None, g, out),
+        "eager twin (torch.log1p, in-place ops)": lambda: fused_tile._EAGER["rows_grad"](z.clone(), None, g, out),
         "compiled, torch.log1p (Sleef)": lambda: with_log1p(z, cw, g, out),
         "compiled, polynomial log1p, dz written back into z": lambda: in_place(z_scratch.copy_(z), cw, g),
-        "compiled, polynomial log1p, dz into a second buffer (shipped)": lambda: shipped(z, y, cw, cw, g, out),
+        "compiled, polynomial log1p, dz into a second buffer (shipped)": lambda: shipped(z, cw, g, out),
     }
     report(f"1a. rows_grad tile [{n}, {block_v}] float32, ns per element (rows 1 and 3 include a copy of z)",
            interleave(variants, rounds), unit="ns/elem", scale=1e9, per=z.numel())
@@ -106,9 +104,9 @@ def tile_part(shape, block_v, rounds):
     two_loops = torch.compile(two_loop_rows, dynamic=True, fullgraph=True, options=options)
     rows = fused_tile._compiled("rows", torch.get_num_threads())
     variants = {
-        "eager twin (torch.log1p, in-place ops)": lambda: fused_tile._EAGER["rows"](z.clone(), y, None, None),
+        "eager twin (torch.log1p, in-place ops)": lambda: fused_tile._EAGER["rows"](z.clone(), None),
         "compiled, polynomial log1p of e = exp(-|z|): two loops": lambda: two_loops(z, cw),
-        "compiled, t = 1 / (2 exp(|z|) + 1): one loop (shipped)": lambda: rows(z, y, cw, cw),
+        "compiled, t = 1 / (2 exp(|z|) + 1): one loop (shipped)": lambda: rows(z, cw),
     }
     report(f"1b. rows tile (forward only) [{n}, {block_v}] float32, ns per element",
            interleave(variants, rounds), unit="ns/elem", scale=1e9, per=z.numel())

@@ -23,21 +23,24 @@ def native_variants(shape, block_v):
     import torch
 
     from frozen.before_exact_rows import torch_native as before
-    from torch_cutbce import native as after
+    from torch_cutbce import ops as after
 
     h0, e0, t0 = (torch.tensor(a) for a in P.make_numpy_inputs(shape))
     divisor = float(shape.num_positions * shape.num_items)
 
-    def step(module):
-        def run():
-            h, e = h0.clone().requires_grad_(), e0.clone().requires_grad_()
-            loss, _ = module.NativeCutBCELoss.apply(h, e, None, None, None, None, t0, divisor, block_v, False, True)
-            loss.backward()
-        return run
+    def step_before():
+        h, e = h0.clone().requires_grad_(), e0.clone().requires_grad_()
+        loss, _ = before.NativeCutBCELoss.apply(h, e, None, None, None, None, t0, divisor, block_v, False, True)
+        loss.backward()
+
+    def step_after():
+        h, e = h0.clone().requires_grad_(), e0.clone().requires_grad_()
+        loss, _ = after.loss(h, e, None, None, None, None, t0, divisor=divisor, block_v=block_v, compute_metrics=False)
+        loss.backward()
 
     return {
-        "native before (background + correction)": step(before),
-        "native after (exact tiles)": step(after),
+        "native before (background + correction)": step_before,
+        "native after (exact tiles)": step_after,
         "mm_floor (3 blocked matmuls)": P.setup("mm_floor", shape, "fwd+bwd", block_v=block_v).step,
     }
 

@@ -96,4 +96,9 @@ def prepare(hidden, item_weight, targets, bias, weight, class_weight, pos_weight
     if not 1 <= catalog <= size.num_items:
         raise ValueError(f"num_items must be in [1, {size.num_items}] (the table's rows), got {num_items}")
     arrays["targets"] = checked_ids(targets, catalog)
+    # Mixed dtypes compute in the promoted one (bfloat16 x float32 -> float32); the casts are
+    # differentiable, so each input's gradient comes back in its own dtype.
+    common = jnp.promote_types(arrays["hidden"].dtype, arrays["item_weight"].dtype)
+    for name in ("hidden", "item_weight"):
+        arrays[name] = arrays[name].astype(common)
     return size, arrays

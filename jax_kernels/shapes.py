@@ -91,22 +91,20 @@ def check_arguments(
     """Validates every argument of `cut_bce` / `cut_bce_with_logits` and returns the sizes.
 
     N = 0 positions and D = 0 are valid (the loss of no positions, logits equal to the bias).
-    `bias`, `weight`, `class_weight` and `pos_weight` may have any dtype of FLOAT_DTYPES: every
-    implementation casts them to the compute dtype (float32, or float64 for float64 inputs).
+    Every float argument may have any dtype of FLOAT_DTYPES: the entries promote hidden and
+    item_weight to a common dtype (the framework's type promotion; under torch.autocast, the
+    autocast dtype, as a linear layer would), and cast the others to the compute dtype (float32, or
+    float64 for float64 inputs).
 
     Raises:
-      TypeError: a float argument's dtype is not in FLOAT_DTYPES, hidden and item_weight differ in
-        dtype, `targets`' dtype is not in ID_DTYPES, or block_v is not an integer (bool included).
+      TypeError: a float argument's dtype is not in FLOAT_DTYPES, `targets`' dtype is not in
+        ID_DTYPES, or block_v is not an integer (bool included).
       ValueError: a rank or shape does not fit, V = 0, an unknown reduction, or block_v < 1.
     """
     check_reduction(reduction)
     block_v = check_block_v(block_v)
     _check_float("hidden", hidden)
     _check_float("item_weight", item_weight)
-    if hidden.dtype_name != item_weight.dtype_name:
-        raise TypeError(
-            f"hidden and item_weight must share a dtype, got {hidden.dtype_name} and {item_weight.dtype_name}"
-        )
     _check_ids(targets)
     if len(hidden.shape) < 1:
         raise ValueError(f"hidden must have shape [*S, D] with rank >= 1, got shape {hidden.shape}")

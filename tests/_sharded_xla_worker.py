@@ -71,11 +71,11 @@ def _inputs():
 
 
 def _native(inputs):
-    from torch_cutbce.native import NativeCutBCERows
+    from torch_cutbce import ops
 
     h, e, b = (inputs[k].clone().requires_grad_(True) for k in ("hidden", "item_weight", "bias"))
-    rows, counts = NativeCutBCERows.apply(
-        h, e, b, inputs["class_weight"], inputs["pos_weight"], inputs["targets"], BLOCK_V, True
+    rows, counts = ops.rows(
+        h, e, b, inputs["class_weight"], inputs["pos_weight"], inputs["targets"], block_v=BLOCK_V, compute_metrics=True
     )
     (rows * inputs["upstream"]).sum().backward()
     return {"rows": rows.detach(), "counts": counts, "d_hidden": h.grad, "d_item_weight": e.grad, "d_bias": b.grad}
@@ -171,9 +171,9 @@ def _train(device, rows_fn, mesh=None, steps=5):
 
 
 def _native_rows(hidden, item_weight, bias, targets, mesh):
-    from torch_cutbce.native import NativeCutBCERows
+    from torch_cutbce import ops
 
-    return NativeCutBCERows.apply(hidden, item_weight, bias, None, None, targets, BLOCK_V, False)
+    return ops.rows(hidden, item_weight, bias, None, None, targets, block_v=BLOCK_V, compute_metrics=False)
 
 
 def _sharded_rows(hidden, item_weight, bias, targets, mesh):
@@ -195,10 +195,11 @@ def _measure_training(dump_dir):
 def _measure_without_bias(inputs):
     """A bias-free call; run before and after the bias ones, its cached lowering must still unflatten."""
     from parity import relative_error
-    from torch_cutbce.native import NativeCutBCERows
+    from torch_cutbce import ops
 
     h = inputs["hidden"].clone().requires_grad_(True)
-    rows, _ = NativeCutBCERows.apply(h, inputs["item_weight"], None, None, None, inputs["targets"], BLOCK_V, False)
+    rows, _ = ops.rows(h, inputs["item_weight"], None, None, None, inputs["targets"], block_v=BLOCK_V,
+                       compute_metrics=False)
     (rows * inputs["upstream"]).sum().backward()
     mesh = xs.Mesh(np.arange(4), (2, 2), ("data", "model"))
     hx = inputs["hidden"].to(torch_xla.device()).requires_grad_(True)

@@ -15,17 +15,20 @@ from __future__ import annotations
 
 import functools
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
-import jax_kernels
-from parity import (
+pytest.importorskip("jax", reason="needs jax: pip install 'torch-cutbce[jax]'")  # every test here runs JAX
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jax_kernels  # noqa: E402
+from parity import (  # noqa: E402
     DTYPES, GRADS, OPTION_SETS, OPTIONAL, REDUCTIONS, assert_close, check_against_oracle, make_inputs, make_upstream,
     run_jax, run_torch, select,
 )
-from torch_cutbce import cut_bce_with_logits, dense_bce_with_logits
+from torch_cutbce import cut_bce_with_logits, dense_bce_with_logits  # noqa: E402
 
 # N = 15 positions, V = 37 items, block_v = 8: a ragged last tile.
 LEAD_SHAPE, NUM_ITEMS, HIDDEN_SIZE, NUM_SLOTS, BLOCK_V = (3, 5), 37, 8, 5, 8
@@ -223,3 +226,22 @@ def test_torch_native_matches_jax_blocked(options, reduction):
     common = dict(dtype="float32", upstream=upstream, reduction=reduction, block_v=BLOCK_V)
     assert_close(run_torch(native, inputs, **common), run_jax(blocked, inputs, **common),
                  dtype="float32", name="torch native vs jax blocked")
+
+
+@pytest.mark.parametrize("impl", ["blocked", "pallas"])
+def test_mixed_dtypes_compute_in_the_promoted_dtype_and_return_each_inputs_dtype(impl):
+    rng = np.random.default_rng(9)
+    hidden = jnp.asarray(rng.normal(size=(37, 16)), jnp.float32)
+    items = jnp.asarray(rng.normal(size=(301, 16)) * 0.5, jnp.bfloat16)
+    targets = jnp.asarray(rng.integers(-1, 301, size=(37, 3)), jnp.int32)
+
+    def loss(h, e):
+        return jax_kernels.cut_bce(h, e, targets, reduction="sum", impl=impl, block_v=128)
+
+    value, (d_h, d_e) = jax.value_and_grad(loss, argnums=(0, 1))(hidden, items)
+    assert (d_h.dtype, d_e.dtype) == (jnp.float32, jnp.bfloat16)
+    truth, (t_h, t_e) = jax.value_and_grad(loss, argnums=(0, 1))(hidden, items.astype(jnp.float32))
+    np.testing.assert_allclose(value, truth, rtol=1e-6)
+    np.testing.assert_allclose(d_h, t_h, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(d_e, np.float32), np.asarray(t_e.astype(jnp.bfloat16), np.float32),
+                               rtol=1e-2, atol=1e-6)

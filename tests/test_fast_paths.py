@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from parity import assert_close, make_inputs, make_upstream, run_torch, select
-from torch_cutbce import cut_bce_with_logits, dense_bce_with_logits, fused_tile
+from torch_cutbce import cut_bce_with_logits, dense_bce_with_logits, fused_tile, positives
 
 TILE_SHAPES = [(67, 301), (8, 16), (3, 9), (129, 64)]  # ragged vector tails, tiny, a lane-exact width
 LEAD_SHAPE, NUM_ITEMS, HIDDEN_SIZE, NUM_SLOTS = (5, 13), 301, 16, 6  # N = 65, V = 301
@@ -35,31 +35,30 @@ def _tile(shape, seed):
     z = torch.randn(shape, generator=g) * 6  # |z| up to ~30: both branches of every where()
     # Exactly 0, exp(-|z|) underflow, a subnormal exp(-|z|), and 2 exp(|z|) = inf (rows' t = 0 path).
     z[0, :4] = torch.tensor([0.0, 88.0, -103.0, -89.5])
-    y = torch.rand(shape, generator=g) < 0.2  # positives, confident ones among them
-    return z, y, torch.rand(shape[0], 1, generator=g) + 0.1, torch.rand(1, shape[1], generator=g) * 2
+    z[torch.rand(shape, generator=g) < 0.2] = float("-inf")  # positives taken out of the tile
+    return z, torch.rand(shape[0], 1, generator=g) + 0.1, torch.rand(1, shape[1], generator=g) * 2
 
 
 def _eager(monkeypatch):
     monkeypatch.setenv("TORCH_CUTBCE_NO_COMPILE", "1")
 
 
-def _tile_truth(z, y, g, cw, pw):
-    """float64 element losses and gradients of one tile, BCE's two branches written separately."""
+def _softplus64(x):
+    return x.clamp(min=0) + torch.log1p(torch.exp(-x.abs()))
+
+
+def _tile_truth(z, g, cw):
+    """float64 row losses and gradients of a tile of negatives (-inf: a positive taken out, 0 and 0)."""
     z64, g64 = z.double(), g.double()
     cw64 = torch.ones(1, z.shape[1], dtype=torch.float64) if cw is None else cw.double()
-    pw64 = torch.ones(1, z.shape[1], dtype=torch.float64) if pw is None else pw.double()
-    softplus = lambda x: x.clamp(min=0) + torch.log1p(torch.exp(-x.abs()))  # noqa: E731
-    loss = torch.where(y, pw64 * softplus(-z64), softplus(z64)) * cw64
-    dz = torch.where(y, -pw64 * torch.sigmoid(-z64), torch.sigmoid(z64)) * cw64 * g64
-    return loss.sum(-1), dz
+    return (_softplus64(z64) * cw64).sum(-1), torch.sigmoid(z64) * cw64 * g64
 
 
 @pytest.mark.parametrize("shape", TILE_SHAPES)
-@pytest.mark.parametrize("weights", ["none", "cw", "pw", "both"])
-def test_compiled_tile_functions_match_their_eager_twins(shape, weights, monkeypatch):
-    z, y, g, cw = _tile(shape, seed=shape[0])
-    pw = cw.flip(-1) + 0.5 if weights in ("pw", "both") else None
-    cw = cw if weights in ("cw", "both") else None
+@pytest.mark.parametrize("class_weight", [False, True])
+def test_compiled_tile_functions_match_their_eager_twins(shape, class_weight, monkeypatch):
+    z, g, cw = _tile(shape, seed=shape[0])
+    cw = cw if class_weight else None
     results = {}
     for mode in ("compiled", "eager"):
         if mode == "eager":
@@ -67,24 +66,57 @@ def test_compiled_tile_functions_match_their_eager_twins(shape, weights, monkeyp
         zc = z.clone()
         out_rg, out_g = torch.full_like(z, np.nan), torch.full_like(z, np.nan)
         results[mode] = {
-            "rows": fused_tile.rows(zc, y, cw, pw),
-            "rows_grad": fused_tile.rows_grad(zc, y, cw, pw, g, out=out_rg),
+            "rows": fused_tile.rows(zc, cw),
+            "rows_grad": fused_tile.rows_grad(zc, cw, g, out=out_rg),
             "dz": out_rg,
-            "counts": fused_tile.counts(zc, y),
+            "counts": fused_tile.counts(zc),
         }
-        fused_tile.grad(zc, y, cw, pw, g, out=out_g)
+        fused_tile.grad(zc, cw, g, out=out_g)
         results[mode]["dz_grad"] = out_g
         assert torch.equal(zc, z), "the logits tile must not be modified"
-    truth_rows, truth_dz = _tile_truth(z, y, g, cw, pw)
-    truth_counts = torch.stack([(z > 0).sum(-1), ((z > 0) & y).sum(-1)]).float()
-    truth = {"rows": truth_rows, "rows_grad": truth_rows, "dz": truth_dz, "counts": truth_counts,
+    truth_rows, truth_dz = _tile_truth(z, g, cw)
+    truth = {"rows": truth_rows, "rows_grad": truth_rows, "dz": truth_dz, "counts": (z > 0).sum(-1).float(),
              "dz_grad": truth_dz}
     assert_close(results["compiled"], truth, dtype="float32", name="compiled tile")
     assert_close(results["eager"], truth, dtype="float32", name="eager tile")
     assert torch.equal(results["compiled"]["counts"], truth["counts"])
-    for mode in ("compiled", "eager"):  # each row on its own, not only the largest (confident positives)
+    for mode in ("compiled", "eager"):
+        assert torch.equal(results[mode]["dz"][z == float("-inf")], torch.zeros(int((z == float("-inf")).sum())))
         rel = ((results[mode]["rows"].double() - truth_rows).abs() / truth_rows.abs()).max()
         assert rel <= 1e-5, f"{mode}: a row's relative error is {rel:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_tile_positives_take_out_and_positive_terms_are_exact(dtype):
+    n, v, block_v = 7, 23, 10  # tiles [0, 10), [10, 20), [20, 23)
+    g = torch.Generator().manual_seed(5)
+    z_full = (torch.randn(n, v, generator=g) * 40).to(dtype)  # confident positives among them
+    targets = torch.randint(-3, v + 3, (n, 5), generator=g)
+    targets[0] = torch.tensor([4, 4, 22, -1, 10**12])  # a duplicate, the ragged tile, padding, huge
+    ids = positives.positive_ids(targets, v)
+    taken = positives.TilePositives(ids, block_v, dtype)
+    for start in range(0, v, block_v):
+        stop = min(start + block_v, v)
+        flat = torch.empty(n * (stop - start) + 1, dtype=dtype)
+        tile = flat[:-1].view(n, stop - start)
+        tile.copy_(z_full[:, start:stop])
+        taken.take_out(flat, start, stop)
+        is_positive = torch.zeros(n, v, dtype=torch.bool).scatter_(1, ids.clamp(min=0), ids >= 0)
+        expected = torch.where(is_positive[:, start:stop], float("-inf"), z_full[:, start:stop])
+        assert torch.equal(tile, expected)
+    valid = ids >= 0
+    assert torch.equal(taken.logits[valid], z_full.gather(1, ids.clamp(min=0))[valid])
+    cw, pw = torch.rand(v, generator=g).to(dtype) + 0.5, torch.rand(v, generator=g).to(dtype) * 3
+    row_grad = torch.rand(n, generator=g).to(dtype)
+    loss, dz = positives.positive_terms(taken.logits, ids, cw, pw, row_grad)
+    z64, w64 = taken.logits.double(), (cw * pw).double()[ids.clamp(min=0)]
+    truth_loss = torch.where(valid, w64 * _softplus64(-z64), 0.0)
+    truth_dz = torch.where(valid, -w64 * torch.sigmoid(-z64) * row_grad.double().unsqueeze(-1), 0.0)
+    tol = 1e-6 if dtype == torch.float32 else 1e-14
+    tiny = torch.finfo(dtype).tiny  # subnormal results carry fewer digits
+    assert ((loss.double() - truth_loss).abs() <= tol * truth_loss.abs() + tiny).all()
+    assert ((dz.double() - truth_dz).abs() <= tol * truth_dz.abs() + tiny).all()
+    assert torch.equal(loss[~valid], torch.zeros(int((~valid).sum()), dtype=dtype))
 
 
 def test_polynomial_log1p_is_float32_exact():
@@ -160,12 +192,12 @@ def test_a_failing_compiler_falls_back_to_eager_with_one_warning(monkeypatch):
 
     monkeypatch.setattr(fused_tile, "_compiled", broken)
     monkeypatch.setattr(fused_tile, "_compile_failed", False)
-    z, y, _, cw = _tile((9, 20), seed=1)
+    z, _, cw = _tile((9, 20), seed=1)
     with pytest.warns(UserWarning, match="using eager tiles"):
-        rows = fused_tile.rows(z, y, cw, None)
+        rows = fused_tile.rows(z, cw)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once: later calls go straight to eager
-        torch.testing.assert_close(fused_tile.rows(z, y, cw, None), rows)
+        torch.testing.assert_close(fused_tile.rows(z, cw), rows)
 
 
 def test_new_shapes_do_not_recompile():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from jax_kernels.shapes import ArraySpec, check_arguments, default_block_v, reduction_divisor
+from torch_cutbce import ops
 from torch_cutbce.metrics import CutBCEMetrics
-from torch_cutbce.native import NativeCutBCELoss, NativeCutBCERows
 from torch_cutbce.reference import dense_bce_with_logits
 
 BACKENDS = ("auto", "native", "dense", "xla", "xla_blocked", "xla_pallas")
@@ -64,15 +64,71 @@ def _check_constant(name: str, t: torch.Tensor | None) -> None:
 
 
 def _check_ids_below_vocab(targets: torch.Tensor, num_items: int) -> None:
-    """ids >= V: raise on CPU; a non-blocking device assert on CUDA; on XLA they are ignored like padding."""
-    if targets.numel() == 0:
-        return
-    if targets.device.type == "cpu":
-        largest = int(targets.max())
-        if largest >= num_items:
-            raise ValueError(f"targets holds item id {largest}, but item_weight has only V={num_items} items (ids must be < V)")
-    elif targets.device.type == "cuda":
-        torch._assert_async(targets.max() < num_items, "targets holds an item id >= V")
+    """ids >= V: raise on CPU; a non-blocking device assert on CUDA; on XLA they are ignored like padding.
+
+    The native engine checks inside its op (`ops.check_ids_below`), where no host sync is needed
+    and torch.compile sees no data-dependent read; this is for the dense reference.
+    """
+    if targets.device.type in ("cpu", "cuda"):
+        ops.check_ids_below(targets, num_items)
+
+
+def _matmul_dtype_inputs(hidden, item_weight, bias):
+    """hidden, item_weight and bias as the logits' matmul sees them: a linear layer's rule.
+
+    Under `torch.autocast` the floating inputs (not float64) are cast to the autocast dtype, as
+    `F.linear` would; otherwise hidden and item_weight are promoted to a common dtype (torch's type
+    promotion; bias is cast to the compute dtype by every engine). The casts are differentiable:
+    each input's gradient comes back in its own dtype.
+    """
+    device_type = hidden.device.type
+    if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        cast = lambda x: x if x is None or x.dtype == torch.float64 else x.to(dtype)  # noqa: E731
+        return cast(hidden), cast(item_weight), cast(bias)
+    common = torch.promote_types(hidden.dtype, item_weight.dtype)
+    return hidden.to(common), item_weight.to(common), bias
+
+
+def _padded_positions_dropped(hidden, targets, weight, num_items):
+    """Indices of the positions to compute, or None for all of them.
+
+    A position whose weight is 0 and that has no valid target id contributes exactly 0 to the loss
+    and to every gradient, so the eager native path drops it before the tiles (padded positions,
+    often most of a batch of short sequences). Not when weight itself needs a gradient (its gradient
+    is the row's loss), nor under torch.compile (a data-dependent shape). On CUDA the selection
+    reads one count back to the host.
+    """
+    if weight is None or (weight.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+        return None
+    keep = (weight != 0) | ((targets >= 0) & (targets < num_items)).any(-1)
+    if bool(keep.all()):
+        return None
+    return keep.nonzero().squeeze(-1)
+
+
+def _native(flat, weight, *, reduction, n, num_items, block_v, return_metrics):
+    """The native engine on `[N, D]` / `[N, L]` inputs: the loss (and counts), padded positions dropped."""
+    hidden, item_weight, bias, class_weight, pos_weight, targets = flat
+    w = None if weight is None else weight.reshape(n)
+    kept = _padded_positions_dropped(hidden, targets, w, num_items)
+    if kept is not None:
+        hidden, targets = hidden.index_select(0, kept), targets.index_select(0, kept)
+        w = w.index_select(0, kept)
+    if reduction != "none" and n > 0:
+        # Gradients computed during the forward (native.loss_and_grads); weight and reduction inside.
+        loss, counts = ops.loss(hidden, item_weight, bias, w, class_weight, pos_weight, targets,
+                                divisor=reduction_divisor(reduction, n, num_items), block_v=block_v,
+                                compute_metrics=return_metrics)
+        return loss, (CutBCEMetrics(*counts) if return_metrics else None)
+    # Also N = 0 with 'sum'/'mean': reduce_rows gives 0 / 0 = nan for 'mean' (as torch) and the
+    # rows' backward zero gradients.
+    rows, counts = ops.rows(hidden, item_weight, bias, class_weight, pos_weight, targets, block_v=block_v,
+                            compute_metrics=return_metrics)
+    if kept is not None:  # dropped positions: rows and counts 0
+        rows = rows.new_zeros(n).index_copy(0, kept, rows)
+        counts = counts.new_zeros((counts.shape[0], n)).index_copy(1, kept, counts)
+    return rows, counts
 
 
 def cut_bce_with_logits(
@@ -147,8 +203,9 @@ def cut_bce_with_logits(
     )
     _check_constant("class_weight", class_weight)
     _check_constant("pos_weight", pos_weight)
-    _check_ids_below_vocab(targets, size.num_items)
+    hidden, item_weight, bias = _matmul_dtype_inputs(hidden, item_weight, bias)
     if backend == "dense":
+        _check_ids_below_vocab(targets, size.num_items)
         return dense_bce_with_logits(
             hidden, item_weight, targets, bias, weight=weight, class_weight=class_weight,
             pos_weight=pos_weight, reduction=reduction, return_metrics=return_metrics,
@@ -157,16 +214,12 @@ def cut_bce_with_logits(
     block_v = min(size.block_v or default_block_v(n, size.num_items), size.num_items)
     flat = (hidden.reshape(n, size.hidden_size), item_weight, bias, class_weight, pos_weight,
             targets.reshape(n, size.num_slots))
-    if backend == "native" and reduction != "none" and n > 0:
-        # Gradients computed during the forward (native.py); weight and reduction are applied inside.
-        w = None if weight is None else weight.reshape(n)
-        loss, counts = NativeCutBCELoss.apply(*flat[:3], w, *flat[3:], reduction_divisor(reduction, n, size.num_items),
-                                              block_v, return_metrics, torch.is_grad_enabled())
-        return (loss, CutBCEMetrics(*counts)) if return_metrics else loss
     if backend == "native":
-        # Also N = 0 with 'sum'/'mean': reduce_rows gives 0 / 0 = nan for 'mean' (as torch) and the
-        # rows' backward zero gradients; NativeCutBCELoss would divide by N V = 0.
-        rows, counts = NativeCutBCERows.apply(*flat, block_v, return_metrics)
+        out, counts = _native(flat, weight, reduction=reduction, n=n, num_items=size.num_items,
+                              block_v=block_v, return_metrics=return_metrics)
+        if reduction != "none" and n > 0:
+            return (out, counts) if return_metrics else out
+        rows = out
     else:
         from torch_cutbce import xla_bridge  # the one module that imports torch_xla and jax
 

@@ -1,31 +1,20 @@
-"""The elementwise work on one `[block_n, block_v]` logits tile, fused and compiled once per process.
+"""The elementwise work on one `[block_n, block_v]` logits tile of negatives, compiled once per process.
 
-Each element is a negative or a positive of its row (`y`, a boolean tile from
-`positives.TileTargets`), and its loss is chosen element by element (DESIGN.md section 2):
+The tile holds every item's logit except the row's positives, which `positives.TilePositives` has
+set to -inf (their loss and gradient are 0 here; `positives.positive_terms` gives them their own
+branch). Each element's loss is `cw softplus(z)` and its gradient `g cw sigmoid(z)`, both from one
+`e = exp(-|z|)` in (0, 1]: softplus(z) = max(z, 0) + log1p(e), sigmoid(z) = where(z >= 0, 1, e) / (1 + e),
+exact to rounding for any z.
 
-    l  = cw pw softplus(-z)        if y      (a positive)
-         cw softplus(z)             otherwise
-    dz = -g cw pw sigmoid(-z)       if y
-         g cw sigmoid(z)            otherwise
+    rows(z, cw)                -> sum_v cw softplus(z)
+    rows_grad(z, cw, g, out)   -> the same, and writes dz = g cw sigmoid(z) into `out`
+    grad(z, cw, g, out)        -> writes dz into `out`
+    counts(z)                  -> #{v : z > 0} per row (metrics)
 
-Written with `zs = where(y, -z, z)` (the logit seen from the element's own label) this is
-`weight * softplus(zs)` and `+-g weight sigmoid(zs)`, `weight = cw * where(y, pw, 1)`: no
-`softplus(z) - z`, so a confident positive's tiny loss is never lost in a sum. One exponential
-e = exp(-|z|) in (0, 1] serves both: softplus(zs) = max(zs, 0) + log1p(e) and
-sigmoid(zs) = where(zs >= 0, 1, e) / (1 + e), exact to rounding for any z.
-
-    rows(z, y, cw, pw)                -> sum_v l[n, v]
-    rows_grad(z, y, cw, pw, g, out)   -> the same, and writes dz into `out`
-    grad(z, y, cw, pw, g, out)        -> writes dz into `out`
-    counts(z, y)                      -> [2, bn]: #{v : z > 0} and #{v : y and z > 0} (metrics)
-
-float32 tiles run a `torch.compile`d version (one vectorized loop per function, where eager
-PyTorch makes about ten passes), with log1p as a polynomial (`_log1p_unit`, relative error 4e-9:
-Sleef's log1p costs about 4 exps). Everything else runs the eager twin: float64 tiles, tiles with
-a side of length 1 (dynamo would specialize and recompile), `TORCH_CUTBCE_NO_COMPILE=1`, devices
-without a compiler, and any failure to compile (warned once). dz goes to a distinct buffer
-`out`: asked to overwrite z, inductor 2.9 made a second pass. Measurements: benchmarks/NOTES.md;
-tests/test_fast_paths.py checks every compiled function against its eager twin.
+float32 tiles run a `torch.compile`d version (one vectorized loop per function) with log1p as a
+polynomial (`_log1p_unit`, 4e-9 relative: Sleef's log1p costs about 4 exps); everything else runs the
+eager twin (float64, a side of length 1, `TORCH_CUTBCE_NO_COMPILE=1`, no compiler). Why each
+choice, with timings: benchmarks/NOTES.md sections 1 and 7.
 """
 
 from __future__ import annotations
@@ -66,35 +55,28 @@ def _log1p_from_t(t):
     return 2 * t * (1.0000000038619887 + s * p)
 
 
-def _rows(z, y, cw, pw):
+def _rows(z, cw):
     # t = e / (2 + e) written as 1 / (2 exp(|z|) + 1), so the exponential has one user: inductor on
     # CPU writes an exp with several users to memory before a reduction (two loops over the tile).
     # exp(|z|) = inf for |z| > 88 gives t = 0: log1p(e) is then below float32's smallest normal.
-    zs = torch.where(y, -z, z)
     t = 1 / (2 * torch.exp(z.abs()) + 1)
-    return ((torch.clamp_min(zs, 0) + _log1p_from_t(t)) * (cw * torch.where(y, pw, 1.0))).sum(-1)
+    return ((torch.clamp_min(z, 0) + _log1p_from_t(t)) * cw).sum(-1)
 
 
-def _rows_grad(z, y, cw, pw, g, out):
+def _rows_grad(z, cw, g, out):
     e = torch.exp(-z.abs())
-    zs = torch.where(y, -z, z)
-    weight = cw * torch.where(y, pw, 1.0)
-    rows = ((torch.clamp_min(zs, 0) + _log1p_unit(e)) * weight).sum(-1)
-    sigmoid = torch.where(zs >= 0, 1.0, e) / (1 + e)
-    out.copy_(torch.where(y, -sigmoid, sigmoid) * (g * weight))
+    rows = ((torch.clamp_min(z, 0) + _log1p_unit(e)) * cw).sum(-1)
+    out.copy_(torch.where(z >= 0, 1.0, e) / (1 + e) * (g * cw))
     return rows
 
 
-def _grad(z, y, cw, pw, g, out):
+def _grad(z, cw, g, out):
     e = torch.exp(-z.abs())
-    zs = torch.where(y, -z, z)
-    sigmoid = torch.where(zs >= 0, 1.0, e) / (1 + e)
-    out.copy_(torch.where(y, -sigmoid, sigmoid) * (g * (cw * torch.where(y, pw, 1.0))))
+    out.copy_(torch.where(z >= 0, 1.0, e) / (1 + e) * (g * cw))
 
 
-def _counts(z, y):
-    positive = z > 0
-    return torch.stack([positive.sum(-1, dtype=torch.float32), (positive & y).sum(-1, dtype=torch.float32)])
+def _counts(z):
+    return (z > 0).sum(-1, dtype=torch.float32)
 
 
 _FUNCTIONS = {"rows": _rows, "rows_grad": _rows_grad, "grad": _grad, "counts": _counts}
@@ -103,50 +85,34 @@ _FUNCTIONS = {"rows": _rows, "rows_grad": _rows_grad, "grad": _grad, "counts": _
 # -- eager twins: the same formulas, in place where they can be ----------------------------------
 
 
-def _eager_weight(y, cw, pw):
-    """`cw * where(y, pw, 1)`: None (all ones), a `[1, bv]` row, or a `[bn, bv]` tile."""
-    if pw is None:
-        return cw
-    return torch.where(y, pw if cw is None else pw * cw, 1.0 if cw is None else cw)
+def _eager_softplus_sum(z, e, cw):
+    """`sum_v cw softplus(z)` from `e = exp(-|z|)`; consumes e."""
+    loss = e.log1p_().add_(z.clamp(min=0))
+    return loss.sum(-1) if cw is None else loss @ cw[0]
 
 
-def _eager_signed(z, y):
-    """`(zs, e)`: the logit seen from each element's label, and exp(-|z|)."""
-    return torch.where(y, z.neg(), z), z.abs().neg_().exp_()
-
-
-def _eager_rows(zs, e, weight):
-    loss = e.log1p_().add_(zs.clamp_(min=0))  # consumes zs and e
-    if weight is None:
-        return loss.sum(-1)
-    return loss @ weight[0] if weight.shape[0] == 1 else loss.mul_(weight).sum(-1)
-
-
-def _eager_grad_into(out, zs, y, e, weight, g):
-    torch.div(torch.where(zs >= 0, 1.0, e), e + 1, out=out)
-    torch.where(y, out.neg(), out, out=out)
+def _eager_sigmoid_into(out, z, e, cw, g):
+    torch.div(torch.where(z >= 0, 1.0, e), e + 1, out=out)
     out.mul_(g)
-    if weight is not None:
-        out.mul_(weight)
+    if cw is not None:
+        out.mul_(cw)
 
 
-def _eager_rows_only(z, y, cw, pw):
-    return _eager_rows(*_eager_signed(z, y), _eager_weight(y, cw, pw))
+def _eager_rows(z, cw):
+    return _eager_softplus_sum(z, z.abs().neg_().exp_(), cw)
 
 
-def _eager_rows_grad(z, y, cw, pw, g, out):
-    zs, e = _eager_signed(z, y)
-    weight = _eager_weight(y, cw, pw)
-    _eager_grad_into(out, zs, y, e, weight, g)
-    return _eager_rows(zs, e, weight)
+def _eager_rows_grad(z, cw, g, out):
+    e = z.abs().neg_().exp_()
+    _eager_sigmoid_into(out, z, e, cw, g)
+    return _eager_softplus_sum(z, e, cw)
 
 
-def _eager_grad(z, y, cw, pw, g, out):
-    zs, e = _eager_signed(z, y)
-    _eager_grad_into(out, zs, y, e, _eager_weight(y, cw, pw), g)
+def _eager_grad(z, cw, g, out):
+    _eager_sigmoid_into(out, z, z.abs().neg_().exp_(), cw, g)
 
 
-_EAGER = {"rows": _eager_rows_only, "rows_grad": _eager_rows_grad, "grad": _eager_grad, "counts": _counts}
+_EAGER = {"rows": _eager_rows, "rows_grad": _eager_rows_grad, "grad": _eager_grad, "counts": _counts}
 
 
 # -- dispatch -----------------------------------------------------------------------------------------
@@ -160,6 +126,26 @@ def _compiled(name: str, threads: int):
     # one-thread process would be served, single-threaded, to every later process. Stated
     # explicitly, it is part of the key (and a new thread count compiles anew).
     return torch.compile(_FUNCTIONS[name], dynamic=True, fullgraph=True, options={"cpp.threads": threads})
+
+
+class TileCompileWarning(UserWarning):
+    """Said once per process, before the first tile function is compiled (it takes a while)."""
+
+
+def _announce_compile() -> None:
+    warnings.warn(
+        "torch_cutbce: compiling the float32 tile functions with torch.compile, once per process "
+        "(about 10-60 s on a fresh machine, a few seconds once inductor's on-disk cache holds them; "
+        "TORCH_CUTBCE_NO_COMPILE=1 skips this and runs slower eager tiles)",
+        TileCompileWarning,
+        stacklevel=4,
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _ones_row(width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The class weight of a tile without one (read only; cached: one allocation per tile width)."""
+    return torch.ones((1, width), dtype=dtype, device=device)
 
 
 def _can_compile(z: torch.Tensor) -> bool:
@@ -176,52 +162,54 @@ def _can_compile(z: torch.Tensor) -> bool:
     return False
 
 
-def _run(name: str, z: torch.Tensor, y: torch.Tensor, *args):
-    """`args` are `(cw, pw, g, out)`, `(cw, pw)` or none (counts)."""
+def _run(name: str, z: torch.Tensor, *args):
+    """`args` are `(cw, g, out)`, `(cw,)` or none (counts)."""
     global _compile_failed
     if not _can_compile(z):
-        return _EAGER[name](z, y, *args)
+        return _EAGER[name](z, *args)
     # One kernel per function, compiled once: dynamo guards on aliasing and on whether a small input
-    # is a view, so a missing weight becomes its own ones row (one multiply per element) and the
-    # `[1, bv]` / `[bn, 1]` inputs are passed as tensors of their own (a copy of a few KiB).
+    # is a view, so a missing class weight becomes its own ones row (one multiply per element) and
+    # the `[1, bv]` / `[bn, 1]` inputs are passed as tensors of their own (a copy of a few KiB).
     compiled_args = [
-        torch.ones((1, z.shape[1]), dtype=z.dtype, device=z.device) if a is None and k < 2
-        else (a.clone() if a is not None and k < 3 and a._base is not None else a)
+        _ones_row(z.shape[1], z.dtype, z.device) if a is None and k == 0
+        else (a.clone() if a is not None and k < 2 and a._base is not None else a)
         for k, a in enumerate(args)
     ]
     first = name not in _compile_seconds
+    if first and not _compile_seconds:
+        _announce_compile()
     start = time.perf_counter()
     try:
         with torch.no_grad():  # as inside the autograd Functions: one grad mode, one compiled kernel
-            out = _compiled(name, torch.get_num_threads())(z, y, *compiled_args)
+            out = _compiled(name, torch.get_num_threads())(z, *compiled_args)
     except Exception as error:  # a missing compiler, an inductor bug: the eager twin is exact too
         _compile_failed = True
         warnings.warn(f"torch_cutbce: torch.compile of the tile function failed ({error!r}); "
                       f"using eager tiles from now on (set TORCH_CUTBCE_NO_COMPILE=1 to skip the attempt)")
-        return _EAGER[name](z, y, *args)
+        return _EAGER[name](z, *args)
     if first:
         _compile_seconds[name] = time.perf_counter() - start
     return out
 
 
-# Shapes: z and out `[bn, bv]` (contiguous), y `[bn, bv]` bool, cw and pw `[1, bv]` or None, g `[bn, 1]`.
+# Shapes: z and out `[bn, bv]` (contiguous), cw `[1, bv]` or None, g `[bn, 1]`.
 
 
-def rows(z: torch.Tensor, y: torch.Tensor, cw: torch.Tensor | None, pw: torch.Tensor | None) -> torch.Tensor:
-    """`sum_v l[n, v]` `[bn]`: each row's loss over the tile (module docstring)."""
-    return _run("rows", z, y, cw, pw)
+def rows(z: torch.Tensor, cw: torch.Tensor | None) -> torch.Tensor:
+    """`sum_v cw[v] softplus(z[n, v])` `[bn]`: each row's loss over the tile's negatives."""
+    return _run("rows", z, cw)
 
 
-def rows_grad(z, y, cw, pw, g: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """`rows(z, y, cw, pw)`, and writes `dz` for the row gradient `g` into `out`."""
-    return _run("rows_grad", z, y, cw, pw, g, out)
+def rows_grad(z: torch.Tensor, cw: torch.Tensor | None, g: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`rows(z, cw)`, and writes `dz = g cw sigmoid(z)` for the row gradient `g` into `out`."""
+    return _run("rows_grad", z, cw, g, out)
 
 
-def grad(z, y, cw, pw, g: torch.Tensor, out: torch.Tensor) -> None:
-    """Writes `dz` for the row gradient `g` into `out`."""
-    _run("grad", z, y, cw, pw, g, out)
+def grad(z: torch.Tensor, cw: torch.Tensor | None, g: torch.Tensor, out: torch.Tensor) -> None:
+    """Writes `dz = g cw sigmoid(z)` for the row gradient `g` into `out`."""
+    _run("grad", z, cw, g, out)
 
 
-def counts(z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """`[2, bn]` float32: predicted positives `#{v : z > 0}` and hits `#{v : y and z > 0}` (the TP)."""
-    return _run("counts", z, y)
+def counts(z: torch.Tensor) -> torch.Tensor:
+    """`[bn]` float32: the predicted positives `#{v : z > 0}` of each row."""
+    return _run("counts", z)

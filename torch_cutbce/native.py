@@ -1,20 +1,15 @@
 """The native chunked path for CPU and CUDA tensors: `torch.autograd.Function`s over vocabulary tiles.
 
-Extra memory is O(N x block_v) for one logits tile, its gradient and its positives mask (buffers
-reused by every tile), whatever V is; nothing of size N x V exists. Each tile computes every
-element's exact loss, positives included (`fused_tile.py`; the tile's positives are marked by
-`positives.TileTargets`), so no correction is added afterwards.
+Extra memory is O(N x block_v) for one logits tile and its gradient (buffers reused by every tile),
+whatever V is; nothing of size N x V exists. Each tile's positives are taken out (set to -inf, their
+logits kept: `positives.TilePositives`), the tile's negatives go through `fused_tile`, and each
+positive gets its own exact terms afterwards (`positives.positive_terms`, O(N L)).
 
-- `NativeCutBCERows` returns the per-position rows (reduction='none'); its backward recomputes
-  each logits tile (saved: the inputs only) for an arbitrary upstream gradient g[n].
-- `NativeCutBCELoss` returns the 'sum' / 'mean' loss `sum_n weight[n] rows[n] / divisor`. Its row
-  gradient `g[n] = weight[n] / divisor` is known before the forward, so the forward computes the
-  gradients from the logits tile it already holds (3 matmuls per tile instead of 4) and the
-  backward scales them by the incoming scalar; `weight` gets `rows[n] / divisor`. The graph can
-  therefore be backpropagated once (use reduction='none' for retain_graph).
+- `rows_forward` / `rows_backward`: per-position rows (reduction='none') and, for an arbitrary
+  upstream g[n], their gradients (each logits tile recomputed).
+- `loss_and_grads`: the 'sum' / 'mean' loss with its gradients computed in the same pass.
 
-Both compute only the gradients autograd asks for (`ctx.needs_input_grad`), and neither is twice
-differentiable (a second-order backward raises).
+How torch sees these functions (custom ops, autograd, torch.compile) is `ops.py`'s job.
 """
 
 from __future__ import annotations
@@ -30,25 +25,22 @@ def _tiles(num_items: int, block_v: int):
 
 
 class _Tiles:
-    """Logits tiles `z = h @ item_weight[start:stop].T + bias[start:stop]` written into one reused buffer.
+    """Logits tiles `z = h @ item_weight[start:stop].T + bias[start:stop]`, positives taken out.
 
-    Yields `(start, stop, z, y, dz, items, cw, pw)`: `y` marks the tile's positives, `cw` and `pw`
-    are `[1, bv]` rows or None. Each tile is a contiguous `[N, stop - start]` view of a flat buffer
-    (the ragged last tile too), so the compiled tile functions always see the same layout. With
-    `with_grad`, `dz` is a view of a second buffer for the tile's gradient.
+    Yields `(start, stop, z, dz, items, cw)`: `z` with the tile's positives at -inf (their logits go
+    to `self.positives.logits` unless `keep_logits` is False), `cw` a `[1, bv]` row or None. Each
+    tile is a contiguous `[N, stop - start]` view of one reused flat buffer (the ragged last tile
+    too, with a spare element after it), so the compiled tile functions always see the same layout.
+    With `with_grad`, `dz` is a view of a second buffer for the tile's gradient.
     """
 
-    def __init__(self, h, item_weight, bias, class_weight, pos_weight, ids, block_v, with_grad=False):
-        self.h, self.item_weight, self.bias = h, item_weight, bias
-        self.class_weight, self.pos_weight = class_weight, pos_weight
-        self.block_v = block_v
-        self.targets = positives.TileTargets(ids, min(block_v, item_weight.shape[0]))
+    def __init__(self, h, item_weight, bias, class_weight, ids, block_v, with_grad=False, keep_logits=True):
+        self.h, self.item_weight, self.bias, self.class_weight = h, item_weight, bias, class_weight
+        self.block_v, self.keep_logits = block_v, keep_logits
+        self.positives = positives.TilePositives(ids, min(block_v, item_weight.shape[0]), h.dtype)
         size = h.shape[0] * min(block_v, item_weight.shape[0])
-        self.buffer = torch.empty(size, dtype=h.dtype, device=h.device)
+        self.buffer = torch.empty(size + 1, dtype=h.dtype, device=h.device)
         self.grad_buffer = torch.empty(size, dtype=h.dtype, device=h.device) if with_grad else None
-
-    def _row(self, values, start, stop):
-        return None if values is None else values[start:stop].to(self.h.dtype).unsqueeze(0)
 
     def __iter__(self):
         h, acc, n = self.h, self.h.dtype, self.h.shape[0]
@@ -59,11 +51,10 @@ class _Tiles:
                 torch.mm(h, items.T, out=z)
             else:
                 torch.addmm(self.bias[start:stop].to(acc), h, items.T, out=z)
+            self.positives.take_out(self.buffer, start, stop, keep_logits=self.keep_logits)
             dz = None if self.grad_buffer is None else self.grad_buffer[: z.numel()].view(z.shape)
-            y = self.targets.mark(start, stop)
-            yield (start, stop, z, y, dz, items,
-                   self._row(self.class_weight, start, stop), self._row(self.pos_weight, start, stop))
-            self.targets.unmark()
+            cw = None if self.class_weight is None else self.class_weight[start:stop].to(acc).unsqueeze(0)
+            yield start, stop, z, dz, items, cw
 
 
 def _add_tile_grads(dz, items, h, start, stop, d_hidden, d_items, d_bias):
@@ -76,10 +67,10 @@ def _add_tile_grads(dz, items, h, start, stop, d_hidden, d_items, d_bias):
         torch.sum(dz, 0, out=d_bias[start:stop])
 
 
-def _metric_counts(predicted, hits, num_pos, num_items):
-    # FP and TN from the dense count of z > 0 minus the TP; FN from the row's number of positives.
-    fp = predicted - hits
-    return torch.stack([hits, fp, num_pos - hits, num_items - num_pos - fp])
+def _metric_counts(fp, logits, ids, num_items):
+    """`[4, N]` TP/FP/FN/TN: FP is the tiles' count of z > 0 (negatives only), TP the positives' own."""
+    tp, num_pos = positives.hits(logits, ids), positives.num_positives(ids)
+    return torch.stack([tp, fp, num_pos - tp, num_items - num_pos - fp])
 
 
 def _grad_buffers(h, item_weight, bias, need_h, need_items, need_bias):
@@ -91,134 +82,99 @@ def _grad_buffers(h, item_weight, bias, need_h, need_items, need_bias):
     )
 
 
-def _cast(grad, like):
-    """Gradients are accumulated in float32/float64 and returned in the input's dtype."""
-    return None if grad is None else grad.to(like.dtype)
+def rows_forward(hidden, item_weight, bias, class_weight, pos_weight, targets, block_v, compute_metrics, offset=0):
+    """Per-position rows (weight 1) over the table's items `[offset, offset + V)`.
 
+    `targets [N, L]` are global ids; ids outside the table's range are ignored like padding
+    (vocab-parallel ranks pass their slice's start as `offset`).
 
-def _refuse_double_backward():
-    # create_graph=True runs the backward with grad mode on: say so instead of failing inside mm(out=).
-    if torch.is_grad_enabled():
-        raise RuntimeError(
-            "cut_bce_with_logits is not twice differentiable: its backward is a hand-written pass "
-            "over the tiles, not a differentiable graph (backward(create_graph=True) and "
-            "torch.autograd.grad(..., create_graph=True) are not supported)"
-        )
-
-
-class NativeCutBCERows(torch.autograd.Function):
-    """Per-position rows (weight = 1) and, optionally, the `[4, N]` TP/FP/FN/TN counts.
-
-    `targets [N, L]` are global ids; the table holds items `[offset, offset + V)` (vocab-parallel
-    ranks pass their slice's start), other ids are ignored like padding.
+    Returns:
+      `rows` `[N]`, `counts` `[4, N]` TP/FP/FN/TN (`[0, N]` without `compute_metrics`), and what the
+      backward needs: each positive's logit `[N, L]` and the local positive ids `[N, L]`.
     """
-
-    @staticmethod
-    def forward(ctx, hidden, item_weight, bias, class_weight, pos_weight, targets, block_v, compute_metrics,
-                offset=0):
-        acc = positives.accumulation_dtype(hidden.dtype)
-        n, num_items = hidden.shape[0], item_weight.shape[0]
-        ids = positives.positive_ids(targets, num_items, offset)
-        h = hidden.to(acc)
-        rows = torch.zeros(n, dtype=acc, device=hidden.device)
-        counted = torch.zeros((2, n), dtype=torch.float32, device=hidden.device)
-        for _, _, z, y, _, _, cw, pw in _Tiles(h, item_weight, bias, class_weight, pos_weight, ids, block_v):
-            if compute_metrics:
-                counted += fused_tile.counts(z, y)
-            rows += fused_tile.rows(z, y, cw, pw)
+    acc = positives.accumulation_dtype(hidden.dtype)
+    n, num_items = hidden.shape[0], item_weight.shape[0]
+    ids = positives.positive_ids(targets, num_items, offset)
+    h = hidden.to(acc)
+    rows = torch.zeros(n, dtype=acc, device=hidden.device)
+    false_positives = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+    tiles = _Tiles(h, item_weight, bias, class_weight, ids, block_v)
+    for _, _, z, _, _, cw in tiles:
         if compute_metrics:
-            counts = _metric_counts(*counted, positives.num_positives(ids), num_items)
-        else:
-            counts = rows.new_zeros((0, n), dtype=torch.float32)
-        ctx.mark_non_differentiable(counts)
-        ctx.save_for_backward(hidden, item_weight, bias, class_weight, pos_weight, ids)
-        ctx.block_v = block_v
-        return rows, counts
-
-    @staticmethod
-    def backward(ctx, g_rows, _g_counts):
-        _refuse_double_backward()
-        hidden, item_weight, bias, class_weight, pos_weight, ids = ctx.saved_tensors
-        need_h, need_items, need_bias = ctx.needs_input_grad[:3]
-        h = hidden.to(positives.accumulation_dtype(hidden.dtype))
-        g = g_rows.to(h.dtype).unsqueeze(-1).contiguous()
-        d_hidden, d_items, d_bias = _grad_buffers(h, item_weight, bias, need_h, need_items, need_bias)
-        if need_h or need_items or need_bias:
-            tiles = _Tiles(h, item_weight, bias, class_weight, pos_weight, ids, ctx.block_v, with_grad=True)
-            for start, stop, z, y, dz, items, cw, pw in tiles:
-                fused_tile.grad(z, y, cw, pw, g, out=dz)
-                _add_tile_grads(dz, items, h, start, stop, d_hidden, d_items, d_bias)
-        return (
-            _cast(d_hidden, hidden), _cast(d_items, item_weight), _cast(d_bias, bias),
-            None, None, None, None, None, None,
-        )
+            false_positives += fused_tile.counts(z)
+        rows += fused_tile.rows(z, cw)
+    logits = tiles.positives.logits
+    rows += positives.positive_terms(logits, ids, class_weight, pos_weight)[0].sum(-1)
+    if compute_metrics:
+        counts = _metric_counts(false_positives, logits, ids, num_items)
+    else:
+        counts = torch.zeros((0, n), dtype=torch.float32, device=hidden.device)
+    return rows, counts, logits, ids
 
 
-class NativeCutBCELoss(torch.autograd.Function):
-    """The 'sum' / 'mean' loss `sum_n weight[n] rows[n] / divisor`, gradients computed in the forward.
+def rows_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, logits, g, block_v, need):
+    """Gradients of `sum_n g[n] rows[n]`: `(d_hidden, d_items, d_bias)` in the accumulation dtype,
+    None where `need` (three bools) says no. Recomputes every logits tile (a fourth matmul per tile)."""
+    h = hidden.to(positives.accumulation_dtype(hidden.dtype))
+    g = g.to(h.dtype)
+    g_column = g.unsqueeze(-1).clone()  # not a view: the compiled tile functions take it as is
+    d_hidden, d_items, d_bias = _grad_buffers(h, item_weight, bias, *need)
+    if any(need):
+        tiles = _Tiles(h, item_weight, bias, class_weight, ids, block_v, with_grad=True, keep_logits=False)
+        for start, stop, z, dz, items, cw in tiles:
+            fused_tile.grad(z, cw, g_column, out=dz)
+            _add_tile_grads(dz, items, h, start, stop, d_hidden, d_items, d_bias)
+        dz_positives = positives.positive_terms(logits, ids, class_weight, pos_weight, g)[1]
+        positives.add_positive_grads(dz_positives, ids, h, item_weight, d_hidden, d_items, d_bias)
+    return d_hidden, d_items, d_bias
 
-    Returns `(loss [], counts [4] or [0])`: the counts are weighted by `weight` and summed.
+
+def loss_and_grads(hidden, item_weight, bias, weight, class_weight, pos_weight, targets, divisor, block_v,
+                   compute_metrics, need):
+    """The 'sum' / 'mean' loss `sum_n weight[n] rows[n] / divisor` and its gradients, in one pass.
+
+    The row gradient `g[n] = weight[n] / divisor` is known before the forward, so each logits tile
+    serves the loss, `d_hidden += dz @ items` and `d_items[tile] = dz.T @ h` (3 matmuls per tile,
+    not 4); the caller scales the gradients by the upstream scalar.
+
+    Returns:
+      `(loss [], counts [4] or [0], rows [N], d_hidden, d_items, d_bias)`: counts weighted by
+      `weight` and summed; gradients (for an upstream 1) in the accumulation dtype, None where `need`
+      (three bools) says no.
     """
-
-    @staticmethod
-    def forward(ctx, hidden, item_weight, bias, weight, class_weight, pos_weight, targets, divisor, block_v,
-                compute_metrics, grad_enabled):
-        acc = positives.accumulation_dtype(hidden.dtype)
-        num_items, n = item_weight.shape[0], hidden.shape[0]
-        ids = positives.positive_ids(targets, num_items)
-        need_h, need_items, need_bias = (grad_enabled and need for need in ctx.needs_input_grad[:3])
-        h = hidden.to(acc)
-        # g[n] = d loss / d rows[n] for an upstream gradient of 1 (the backward rescales). A tensor
-        # division: 'mean' over zero positions divides by 0 and gives nan, as torch does.
-        g = torch.ones(n, dtype=acc, device=h.device) if weight is None else weight.detach().to(acc)
-        g = g / torch.tensor(divisor, dtype=acc)
-        g_column = g.unsqueeze(-1).contiguous()
-        d_hidden, d_items, d_bias = _grad_buffers(h, item_weight, bias, need_h, need_items, need_bias)
-        with_grads = need_h or need_items or need_bias
-        rows = torch.zeros(n, dtype=acc, device=h.device)
-        counted = torch.zeros((2, n), dtype=torch.float32, device=h.device)
-        tiles = _Tiles(h, item_weight, bias, class_weight, pos_weight, ids, block_v, with_grads)
-        for start, stop, z, y, dz, items, cw, pw in tiles:
-            if compute_metrics:
-                counted += fused_tile.counts(z, y)
-            if with_grads:
-                rows += fused_tile.rows_grad(z, y, cw, pw, g_column, out=dz)
-                _add_tile_grads(dz, items, h, start, stop, d_hidden, d_items, d_bias)
-            else:
-                rows += fused_tile.rows(z, y, cw, pw)
-        weighted = rows if weight is None else rows * weight.to(acc)
-        loss = weighted.sum() / torch.tensor(divisor, dtype=acc)
+    acc = positives.accumulation_dtype(hidden.dtype)
+    num_items, n = item_weight.shape[0], hidden.shape[0]
+    ids = positives.positive_ids(targets, num_items)
+    h = hidden.to(acc)
+    # A tensor division: 'mean' over zero positions divides by 0 and gives nan, as torch does.
+    divisor = torch.tensor(divisor, dtype=acc)
+    g = (torch.ones(n, dtype=acc, device=h.device) if weight is None else weight.detach().to(acc)) / divisor
+    g_column = g.unsqueeze(-1).clone()  # not a view: the compiled tile functions take it as is
+    d_hidden, d_items, d_bias = _grad_buffers(h, item_weight, bias, *need)
+    with_grads = any(need)
+    rows = torch.zeros(n, dtype=acc, device=h.device)
+    false_positives = torch.zeros(n, dtype=torch.float32, device=h.device)
+    tiles = _Tiles(h, item_weight, bias, class_weight, ids, block_v, with_grads)
+    for start, stop, z, dz, items, cw in tiles:
         if compute_metrics:
-            counts = _metric_counts(*counted, positives.num_positives(ids), num_items)
-            if weight is not None:
-                counts = counts * weight.detach().to(torch.float32)
-            counts = counts.sum(-1)
+            false_positives += fused_tile.counts(z)
+        if with_grads:
+            rows += fused_tile.rows_grad(z, cw, g_column, out=dz)
+            _add_tile_grads(dz, items, h, start, stop, d_hidden, d_items, d_bias)
         else:
-            counts = rows.new_zeros((0,), dtype=torch.float32)
-        ctx.mark_non_differentiable(counts)
-        need_weight = grad_enabled and ctx.needs_input_grad[3]
-        ctx.save_for_backward(d_hidden, d_items, d_bias, rows if need_weight else None)
-        ctx.dtypes = (hidden.dtype, item_weight.dtype, None if bias is None else bias.dtype,
-                      None if weight is None else weight.dtype)
-        ctx.divisor, ctx.used = divisor, False
-        return loss, counts
-
-    @staticmethod
-    def backward(ctx, g_loss, _g_counts):
-        _refuse_double_backward()
-        if ctx.used:
-            raise RuntimeError(
-                "cut_bce_with_logits(reduction='sum'/'mean') computes its gradients during the forward "
-                "and scales them in place, so its graph can be backpropagated once; for retain_graph / "
-                "several backward passes use reduction='none' and reduce the rows yourself"
-            )
-        ctx.used = True
-        d_hidden, d_items, d_bias, rows = ctx.saved_tensors
-        h_dtype, items_dtype, bias_dtype, weight_dtype = ctx.dtypes
-        grads = []
-        for grad, dtype in ((d_hidden, h_dtype), (d_items, items_dtype), (d_bias, bias_dtype)):
-            grads.append(None if grad is None else grad.mul_(g_loss.to(grad.dtype)).to(dtype))
-        d_weight = None
-        if rows is not None:
-            d_weight = (rows * (g_loss.to(rows.dtype) / torch.tensor(ctx.divisor, dtype=rows.dtype))).to(weight_dtype)
-        return (*grads, d_weight, None, None, None, None, None, None, None)
+            rows += fused_tile.rows(z, cw)
+    logits = tiles.positives.logits
+    loss_positives, dz_positives = positives.positive_terms(
+        logits, ids, class_weight, pos_weight, g if with_grads else None)
+    rows += loss_positives.sum(-1)
+    if with_grads:
+        positives.add_positive_grads(dz_positives, ids, h, item_weight, d_hidden, d_items, d_bias)
+    loss = (rows if weight is None else rows * weight.to(acc)).sum() / divisor
+    if compute_metrics:
+        counts = _metric_counts(false_positives, logits, ids, num_items)
+        if weight is not None:
+            counts = counts * weight.detach().to(torch.float32)
+        counts = counts.sum(-1)
+    else:
+        counts = torch.zeros((0,), dtype=torch.float32, device=h.device)
+    return loss, counts, rows, d_hidden, d_items, d_bias

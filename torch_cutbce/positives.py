@@ -1,11 +1,11 @@
-"""Where the positives are: padded target ids -> a set of ids per row -> a mask per logits tile.
+"""Where the positives are, and their own terms: padded target ids -> ids per row -> per tile.
 
 The positives are taken out of the dense pass inside the tile where they fall (DESIGN.md
-section 2, Precision): each element's loss is `softplus(z)` or `pw softplus(-z)`, chosen
-element by element, never `softplus(z)` summed and `z` subtracted later. The tile needs to know
-which of its `[N, block_v]` elements are positives; `TileTargets` marks them in a reused boolean
-buffer by a scatter of the O(N L) ids that fall into the tile, and unmarks them afterwards, so no
-`[N, block_v]` fill is paid per tile.
+section 2, Precision): `TilePositives` reads each positive's logit from the tile and sets it to
+-inf there (softplus(-inf) = sigmoid(-inf) = 0: the tile's elementwise work sees negatives only);
+`positive_terms` then gives each positive its own branch, `cw pw softplus(-z)`, from that logit.
+No `softplus(z)` is summed and `z` subtracted later, so a confident positive's tiny loss is never
+lost in a row sum. The tile's work on positives is O(N L), whatever its size.
 """
 
 from __future__ import annotations
@@ -33,35 +33,90 @@ def positive_ids(targets: torch.Tensor, num_items: int, offset: int = 0) -> torc
     return torch.where(keep, local, torch.full_like(local, -1))
 
 
-class TileTargets:
-    """Boolean `[N, stop - start]` masks of the positives of each vocabulary tile `[start, stop)`.
+class TilePositives:
+    """Takes each vocabulary tile's positives out of its logits, and keeps their logits.
 
-    One flat buffer of `N * block_v + 1` booleans, all False between tiles: `mark` sets the
-    tile's positives (ids outside the tile go to the spare last slot), `unmark` clears the same
-    slots. Both cost O(N L), independent of the tile's size. Tiles start at multiples of
-    `block_v`, so each id's tile and column are computed once, not per tile.
+    A tile `[start, stop)` is an `[N, stop - start]` view of a flat buffer with one spare element
+    after it: ids outside the tile are pointed at the spare, so a tile's reads and writes are one
+    gather and one fill of N L elements, never a pass over the tile. Tiles start at multiples of
+    `block_v`, so each id's tile and column are computed once, not per tile. After every tile has
+    been through `take_out`, `logits` `[N, L]` holds each valid id's logit (undefined elsewhere).
     """
 
-    def __init__(self, ids: torch.Tensor, block_v: int):
+    def __init__(self, ids: torch.Tensor, block_v: int, dtype: torch.dtype):
         n = ids.shape[0]
-        self.num_rows, self.block_v, self.spare = n, block_v, n * block_v
-        self.buffer = torch.zeros(self.spare + 1, dtype=torch.bool, device=ids.device)
+        self.block_v = block_v
         self.tile = torch.where(ids >= 0, torch.div(ids, block_v, rounding_mode="floor"), -1)
         self.row = torch.arange(n, device=ids.device).unsqueeze(-1)
         self.column = ids - self.tile * block_v
-        self.slots = None
+        self.full_tile_slots = self.row * block_v + self.column
+        self.logits = torch.zeros(ids.shape, dtype=dtype, device=ids.device)
 
-    def mark(self, start: int, stop: int) -> torch.Tensor:
+    def _slots(self, start: int, stop: int):
         width = stop - start
-        flat = self.row * width + self.column
-        self.slots = torch.where(self.tile == start // self.block_v, flat, self.spare).reshape(-1)
-        self.buffer.index_fill_(0, self.slots, True)
-        return self.buffer[: self.num_rows * width].view(-1, width)
+        here = self.tile == start // self.block_v
+        slots = self.full_tile_slots if width == self.block_v else self.row * width + self.column
+        spare = self.row.shape[0] * width  # the element just past the tile in the flat buffer
+        return here, torch.where(here, slots, spare).reshape(-1)
 
-    def unmark(self) -> None:
-        self.buffer.index_fill_(0, self.slots, False)
+    def take_out(self, flat: torch.Tensor, start: int, stop: int, *, keep_logits: bool = True) -> None:
+        """Reads the tile's positive logits into `self.logits` and sets them to -inf in `flat`, the
+        buffer the tile is a view of (`N * (stop - start) + 1` elements or more)."""
+        here, slots = self._slots(start, stop)
+        if keep_logits:
+            gathered = flat.index_select(0, slots).view(here.shape)
+            torch.where(here, gathered, self.logits, out=self.logits)
+        flat.index_fill_(0, slots, float("-inf"))
+
+
+def positive_terms(logits, ids, class_weight, pos_weight, g=None):
+    """Each positive's own loss and gradient: `[N, L]` loss and, with the row gradient `g` `[N]`, dz.
+
+    `loss = cw pw softplus(-z)`, `dz = -g cw pw sigmoid(-z)` at valid ids (`ids >= 0`), exactly 0
+    elsewhere (`where`, not a product: a padded slot's undefined logit never leaks in). Weights are
+    `[V]` or None; computed in `logits`' dtype.
+    """
+    valid = ids >= 0
+    index = ids.clamp(min=0)
+    weight = None
+    for w in (class_weight, pos_weight):
+        if w is not None:
+            w = w.to(logits.dtype)[index]
+            weight = w if weight is None else weight * w
+    zs = -logits
+    loss = zs.clamp(min=0) + torch.log1p(torch.exp(-zs.abs()))
+    if weight is not None:
+        loss = loss * weight
+    loss = torch.where(valid, loss, 0.0)
+    if g is None:
+        return loss, None
+    dz = torch.sigmoid(zs).neg_() * g.unsqueeze(-1)
+    if weight is not None:
+        dz = dz * weight
+    return loss, torch.where(valid, dz, 0.0)
+
+
+def add_positive_grads(dz, ids, h, item_weight, d_hidden, d_items, d_bias):
+    """Adds the positives' `dz` `[N, L]` to the gradients (None where not needed): `d_hidden[n] +=
+    sum_l dz[n, l] item_weight[id]`, `d_items[id] += dz[n, l] h[n]`, `d_bias[id] += dz[n, l]`.
+    Padded slots add an exact 0 (selected by `where`, so an inf in h or the table cannot make nan)."""
+    valid = ids >= 0
+    index = ids.clamp(min=0)
+    if d_hidden is not None:
+        rows = item_weight[index].to(dz.dtype) * dz.unsqueeze(-1)
+        d_hidden += torch.where(valid.unsqueeze(-1), rows, 0.0).sum(1)
+    if d_items is not None:
+        per_slot = torch.where(valid.unsqueeze(-1), h.unsqueeze(1) * dz.unsqueeze(-1), 0.0)
+        d_items.index_add_(0, index.reshape(-1), per_slot.flatten(0, 1))
+    if d_bias is not None:
+        d_bias.index_add_(0, index.reshape(-1), dz.reshape(-1))
 
 
 def num_positives(ids: torch.Tensor) -> torch.Tensor:
     """`|T_n|` per row as float32 (the metrics' TP + FN)."""
     return (ids >= 0).sum(-1, dtype=torch.float32)
+
+
+def hits(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Positives with `z > 0` per row as float32 (the metrics' TP)."""
+    return ((ids >= 0) & (logits > 0)).sum(-1, dtype=torch.float32)

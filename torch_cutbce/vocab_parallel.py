@@ -3,7 +3,7 @@
 For CPU/CUDA tensors and any backend (gloo, NCCL), in the manner of Apple CCE's
 `VocabParallelOptions`. Every rank of the group holds the same hidden states and the same global
 target ids, and its own slice of the item table (and of bias / class_weight / pos_weight). The loss
-is a sum over items, so each rank runs the native chunked Function (`native.NativeCutBCERows`) on its
+is a sum over items, so each rank runs the native engine (`ops.rows`) on its
 slice, keeping only the ids in `[start, stop)` as its positives (`positives.positive_ids` with an
 offset: each positive falls in exactly one rank's tiles), and the partial rows are summed:
 
@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from jax_kernels.shapes import default_block_v
-from torch_cutbce.functional import _check, _check_constant, _check_ids_below_vocab, reduce_rows
-from torch_cutbce.native import NativeCutBCERows
+from torch_cutbce import ops
+from torch_cutbce.functional import _check, _check_constant, reduce_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,14 +125,14 @@ def vocab_parallel_cut_bce(
         raise ValueError(f"item_weight holds {size.num_items} rows but options give [{options.start}, {options.stop})")
     _check_constant("class_weight", class_weight)
     _check_constant("pos_weight", pos_weight)
-    _check_ids_below_vocab(targets, options.num_items)  # the same rule as cut_bce_with_logits (CUDA: device assert)
     n = size.num_positions
     block_v = min(size.block_v or default_block_v(n, local_items), local_items)
     hidden = _CopyToRanks.apply(hidden.reshape(n, size.hidden_size), options.group)
     # Global ids: the Function keeps those in [start, stop) as local ids, the others are another rank's.
-    rows, counts = NativeCutBCERows.apply(
-        hidden, item_weight, bias, class_weight, pos_weight, targets.reshape(n, size.num_slots), block_v,
-        return_metrics, options.start,
+    # ids >= the global V raise (CPU) or assert (CUDA) inside the op, as in cut_bce_with_logits.
+    rows, counts = ops.rows(
+        hidden, item_weight, bias, class_weight, pos_weight, targets.reshape(n, size.num_slots),
+        block_v=block_v, compute_metrics=return_metrics, offset=options.start, id_limit=options.num_items,
     )
     # One all_reduce: counts are integers below 2**24, exact in float32 and float64.
     stacked = _SumOverRanks.apply(torch.cat([rows[None], counts.to(rows.dtype)]), options.group)

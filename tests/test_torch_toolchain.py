@@ -1,0 +1,165 @@
+"""The PyTorch toolchain around the native path: mixed dtypes, autocast, torch.compile, padded positions.
+
+- Mixed dtypes: hidden, item_weight and bias of different floating dtypes compute in the promoted
+  dtype and get their gradients back in their own dtypes (native and dense).
+- `torch.autocast` (CPU bfloat16): the loss follows a linear layer's rule (the matmul's inputs cast
+  to bfloat16, the loss in float32), checked against the float64 oracle of those cast inputs and
+  against the dense code under the same autocast.
+- `torch.compile(fullgraph=True)`: one graph, no break, for every reduction, with the same loss and
+  gradients as eager; ids >= V still raise (inside the op).
+- Padded positions (weight 0, no valid target) are dropped before the tiles: same loss and
+  gradients, exactly zero gradients at those positions, fewer rows reach the engine.
+- The first tile compile of a process says so, once.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from torch_cutbce import cut_bce_with_logits, dense_bce_with_logits, fused_tile, ops
+
+N_SEQ, LENGTH, V, D, L = 4, 9, 301, 16, 3
+BLOCK_V = 128
+
+
+def _inputs(seed=0, padded_fraction=0.0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N_SEQ, LENGTH, D, generator=g)
+    items = torch.randn(V, D, generator=g) * 0.5
+    bias = torch.randn(V, generator=g)
+    targets = torch.randint(-1, V, (N_SEQ, LENGTH, L), generator=g)
+    mask = (torch.rand(N_SEQ, LENGTH, generator=g) >= padded_fraction).float()
+    targets[mask == 0] = -1  # padded positions have no target
+    return hidden, items, bias, targets, mask
+
+
+def _loss_and_grads(fn, hidden, items, bias, targets, **kwargs):
+    leaves = [x.detach().clone().requires_grad_(True) for x in (hidden, items, bias)]
+    loss = fn(*leaves[:2], targets, leaves[2], **kwargs)
+    scalar = loss if loss.dim() == 0 else (loss * torch.linspace(0.5, 1.5, loss.numel()).reshape(loss.shape)).sum()
+    scalar.backward()
+    return loss.detach(), [x.grad for x in leaves]
+
+
+def _relative(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300))
+
+
+@pytest.mark.parametrize("backend", ["native", "dense"])
+def test_mixed_dtypes_compute_in_the_promoted_dtype_and_return_each_inputs_dtype(backend):
+    hidden, items, bias, targets, _ = _inputs(seed=1)
+    hidden32, items16, bias_h = hidden, items.to(torch.bfloat16), bias.to(torch.float16)
+    loss, grads = _loss_and_grads(cut_bce_with_logits, hidden32, items16, bias_h, targets, backend=backend,
+                                  block_v=BLOCK_V, reduction="sum")
+    assert [g.dtype for g in grads] == [torch.float32, torch.bfloat16, torch.float16]
+    truth, truth_grads = _loss_and_grads(dense_bce_with_logits, hidden32.double(), items16.double(),
+                                         bias_h.double(), targets, reduction="sum")
+    assert _relative(loss, truth) < 1e-6
+    for name, grad, want, tol in zip(("hidden", "item_weight", "bias"), grads, truth_grads, (1e-6, 1e-2, 1e-3)):
+        assert _relative(grad, want) < tol, name  # bfloat16 / float16 gradients: their own rounding
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_autocast_follows_a_linear_layer_then_bce(reduction):
+    hidden, items, bias, targets, _ = _inputs(seed=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, grads = _loss_and_grads(cut_bce_with_logits, hidden, items, bias, targets, backend="native",
+                                      block_v=BLOCK_V, reduction=reduction)
+        dense_loss, dense_grads = _loss_and_grads(cut_bce_with_logits, hidden, items, bias, targets,
+                                                  backend="dense", reduction=reduction)
+    assert loss.dtype == dense_loss.dtype == torch.float32
+    assert all(g.dtype == torch.float32 for g in grads + dense_grads)  # each input's own dtype
+    # The truth of autocast's rule: float64 BCE of the bfloat16-rounded matmul inputs.
+    rounded = [x.to(torch.bfloat16).double() for x in (hidden, items, bias)]
+    truth, truth_grads = _loss_and_grads(dense_bce_with_logits, *rounded, targets, reduction=reduction)
+    assert _relative(loss, truth) < 1e-6  # native keeps the logits in float32
+    assert _relative(dense_loss, truth) < 1e-2  # dense rounds the logits to bfloat16 first
+    for grad, dense_grad, want in zip(grads, dense_grads, truth_grads):
+        assert _relative(grad, want) <= max(1e-5, _relative(dense_grad, want))
+
+
+def _explain(fn, *args):
+    explained = torch._dynamo.explain(fn)(*args)
+    return explained.graph_count, explained.graph_break_count, explained.break_reasons
+
+
+@pytest.mark.parametrize("reduction,metrics", [("mean", False), ("sum", True), ("none", True)])
+def test_compile_fullgraph_is_one_graph_with_eager_results(reduction, metrics):
+    hidden, items, bias, targets, mask = _inputs(seed=3, padded_fraction=0.5)
+
+    def step(hidden, items, bias, targets, mask):
+        out = cut_bce_with_logits(hidden, items, targets, bias, weight=mask, reduction=reduction,
+                                  block_v=BLOCK_V, return_metrics=metrics)
+        loss = out[0] if metrics else out
+        return loss if loss.dim() == 0 else loss.sum()
+
+    torch._dynamo.reset()
+    assert _explain(step, hidden, items, bias, targets, mask)[:2] == (1, 0)
+    compiled = torch.compile(step, fullgraph=True)
+    results = {}
+    for name, fn in (("eager", step), ("compiled", compiled)):
+        leaves = [x.clone().requires_grad_(True) for x in (hidden, items, bias)]
+        loss = fn(*leaves[:2], leaves[2], targets, mask)
+        loss.backward()
+        results[name] = [loss.detach()] + [x.grad for x in leaves]
+    for got, want in zip(results["compiled"], results["eager"]):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_compiled_loss_still_rejects_ids_beyond_the_catalog():
+    hidden, items, bias, targets, _ = _inputs(seed=4)
+    targets[0, 0, 0] = V
+
+    def step(hidden, items, targets):
+        return cut_bce_with_logits(hidden, items, targets, block_v=BLOCK_V)
+
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match=f"item id {V}, but item_weight has only V={V}"):
+        torch.compile(step, fullgraph=True)(hidden, items, targets)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_padded_positions_are_dropped_before_the_tiles(reduction, monkeypatch):
+    hidden, items, bias, targets, mask = _inputs(seed=5, padded_fraction=0.85)
+    seen_rows = []
+    for name in ("loss", "rows"):
+        engine = getattr(ops, name)
+
+        def spy(hidden, *args, _engine=engine, **kwargs):
+            seen_rows.append(hidden.shape[0])
+            return _engine(hidden, *args, **kwargs)
+
+        monkeypatch.setattr(ops, name, spy)
+    loss, grads = _loss_and_grads(cut_bce_with_logits, hidden, items, bias, targets, weight=mask,
+                                  reduction=reduction, block_v=BLOCK_V, return_metrics=False)
+    assert seen_rows == [int(mask.sum())] and int(mask.sum()) < mask.numel()
+    assert torch.equal(grads[0][mask == 0], torch.zeros_like(grads[0][mask == 0]))
+    truth, truth_grads = _loss_and_grads(dense_bce_with_logits, hidden.double(), items.double(), bias.double(),
+                                         targets, weight=mask.double(), reduction=reduction)
+    assert _relative(loss, truth) < 1e-6
+    for grad, want in zip(grads, truth_grads):
+        assert _relative(grad, want) < 1e-6
+
+
+def test_padded_positions_are_kept_when_weight_needs_its_gradient(monkeypatch):
+    hidden, items, bias, targets, mask = _inputs(seed=6, padded_fraction=0.5)
+    seen_rows = []
+    engine = ops.loss
+    monkeypatch.setattr(ops, "loss", lambda hidden, *a, **k: seen_rows.append(hidden.shape[0]) or engine(hidden, *a, **k))
+    weight = mask.clone().requires_grad_(True)
+    cut_bce_with_logits(hidden, items, targets, bias, weight=weight, block_v=BLOCK_V).backward()
+    assert seen_rows == [mask.numel()]
+    assert weight.grad[mask == 0].abs().min() > 0  # the row losses of padded positions
+
+
+def test_the_first_tile_compile_is_announced_once(monkeypatch):
+    hidden, items, bias, targets, _ = _inputs(seed=7)
+    monkeypatch.setattr(fused_tile, "_compile_seconds", {})  # as in a fresh process
+    with pytest.warns(fused_tile.TileCompileWarning, match="TORCH_CUTBCE_NO_COMPILE=1"):
+        cut_bce_with_logits(hidden, items, targets, bias, block_v=BLOCK_V)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fused_tile.TileCompileWarning)
+        cut_bce_with_logits(hidden, items, targets, bias, block_v=BLOCK_V, reduction="none")

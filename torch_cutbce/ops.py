@@ -1,0 +1,188 @@
+"""The native engine as torch custom ops: one graph under `torch.compile(fullgraph=True)`, no host sync.
+
+`torch.library.custom_op` makes each engine call one opaque node: dynamo does not trace the tile
+loop (a Python loop over V / block_v tiles with compiled tile functions inside), `register_fake`
+gives the output shapes, `register_autograd` the backward. Checks that read the data (ids >= V)
+run inside the op, where a CPU tensor's values are at hand and a CUDA one gets a device-side
+assert, so no check outside costs a sync. Autocast is switched off inside: the entry has already
+applied autocast's rule to the inputs, and the tiles must stay in the accumulation dtype.
+
+    rows(...)  -> (rows [N], counts [4, N] or [0, N])       reduction='none'; vocab-parallel ranks
+    loss(...)  -> (loss [], counts [4] or [0])              'sum' / 'mean', gradients in the forward
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from torch_cutbce import native, positives
+
+
+def check_ids_below(targets: Tensor, limit: int) -> None:
+    """Item ids >= `limit` raise on CPU and trigger a device assert on CUDA (inside the ops: no sync)."""
+    if targets.numel() == 0:
+        return
+    if targets.device.type == "cpu":
+        largest = int(targets.max())
+        if largest >= limit:
+            raise ValueError(f"targets holds item id {largest}, but item_weight has only V={limit} items (ids must be < V)")
+    elif targets.device.type == "cuda":
+        torch._assert_async(targets.max() < limit, "targets holds an item id >= V")
+
+
+def _no_grad_buffer(like: Tensor) -> Tensor:
+    """The op's stand-in for a gradient nobody asked for (custom ops cannot return None)."""
+    return like.new_empty((0,))
+
+
+def _refuse_double_backward():
+    # create_graph=True runs the backward with grad mode on: say so instead of failing inside mm(out=).
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "cut_bce_with_logits is not twice differentiable: its backward is a hand-written pass "
+            "over the tiles, not a differentiable graph (backward(create_graph=True) and "
+            "torch.autograd.grad(..., create_graph=True) are not supported)"
+        )
+
+
+def _cast(grad: Tensor, dtype: torch.dtype) -> Tensor:
+    """Gradients are accumulated in float32/float64 and returned in the input's dtype."""
+    return grad.to(dtype)
+
+
+# -- reduction='none': rows, and a backward that recomputes the tiles ---------------------------------
+
+
+@torch.library.custom_op("torch_cutbce::rows", mutates_args=())
+def _rows(hidden: Tensor, item_weight: Tensor, bias: Tensor | None, class_weight: Tensor | None,
+          pos_weight: Tensor | None, targets: Tensor, block_v: int, compute_metrics: bool, offset: int,
+          id_limit: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    check_ids_below(targets, id_limit)
+    with torch.autocast(hidden.device.type, enabled=False), torch.no_grad():
+        return native.rows_forward(hidden, item_weight, bias, class_weight, pos_weight, targets, block_v,
+                                   compute_metrics, offset)
+
+
+@_rows.register_fake
+def _(hidden, item_weight, bias, class_weight, pos_weight, targets, block_v, compute_metrics, offset, id_limit):
+    acc = positives.accumulation_dtype(hidden.dtype)
+    n = hidden.shape[0]
+    return (hidden.new_empty((n,), dtype=acc),
+            hidden.new_empty((4 if compute_metrics else 0, n), dtype=torch.float32),
+            hidden.new_empty(targets.shape, dtype=acc),
+            targets.new_empty(targets.shape, dtype=torch.int64))
+
+
+@torch.library.custom_op("torch_cutbce::rows_backward", mutates_args=())
+def _rows_backward(hidden: Tensor, item_weight: Tensor, bias: Tensor | None, class_weight: Tensor | None,
+                   pos_weight: Tensor | None, ids: Tensor, logits: Tensor, g: Tensor, block_v: int,
+                   need_hidden: bool, need_items: bool, need_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+    with torch.autocast(hidden.device.type, enabled=False), torch.no_grad():
+        grads = native.rows_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, logits, g,
+                                     block_v, (need_hidden, need_items, need_bias))
+    return tuple(_no_grad_buffer(logits) if d is None else d for d in grads)
+
+
+@_rows_backward.register_fake
+def _(hidden, item_weight, bias, class_weight, pos_weight, ids, logits, g, block_v, need_hidden, need_items,
+      need_bias):
+    shapes = (hidden.shape, item_weight.shape, item_weight.shape[:1])
+    return tuple(logits.new_empty(shape if need else (0,)) for shape, need in
+                 zip(shapes, (need_hidden, need_items, need_bias and bias is not None)))
+
+
+def _rows_setup(ctx, inputs, output):
+    hidden, item_weight, bias, class_weight, pos_weight, _, block_v, _, _, _ = inputs
+    ctx.save_for_backward(hidden, item_weight, bias, class_weight, pos_weight, output[3], output[2])
+    ctx.block_v = block_v
+
+
+def _rows_grad(ctx, g_rows, _g_counts, _g_logits, _g_ids):
+    _refuse_double_backward()
+    hidden, item_weight, bias, class_weight, pos_weight, ids, logits = ctx.saved_tensors
+    need = ctx.needs_input_grad[:3]
+    grads = _rows_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, logits, g_rows,
+                           ctx.block_v, need[0], need[1], need[2] and bias is not None)
+    inputs = (hidden, item_weight, bias)
+    return (*(_cast(d, x.dtype) if n else None for d, x, n in zip(grads, inputs, need)),
+            None, None, None, None, None, None, None)
+
+
+_rows.register_autograd(_rows_grad, setup_context=_rows_setup)
+
+
+def rows(hidden, item_weight, bias, class_weight, pos_weight, targets, *, block_v, compute_metrics,
+         offset=0, id_limit=None):
+    """`(rows [N], counts [4, N] or [0, N])` of `native.rows_forward`; ids >= `id_limit` (default:
+    the table's V) raise (CPU) or assert (CUDA)."""
+    limit = item_weight.shape[0] if id_limit is None else id_limit
+    out = _rows(hidden, item_weight, bias, class_weight, pos_weight, targets, block_v, compute_metrics,
+                offset, limit)
+    return out[0], out[1]
+
+
+# -- 'sum' / 'mean': the loss, with the gradients computed in the forward -------------------------------
+
+
+@torch.library.custom_op("torch_cutbce::loss", mutates_args=())
+def _loss(hidden: Tensor, item_weight: Tensor, bias: Tensor | None, weight: Tensor | None,
+          class_weight: Tensor | None, pos_weight: Tensor | None, targets: Tensor, divisor: float, block_v: int,
+          compute_metrics: bool, need_hidden: bool, need_items: bool, need_bias: bool
+          ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    check_ids_below(targets, item_weight.shape[0])
+    with torch.autocast(hidden.device.type, enabled=False), torch.no_grad():
+        out = native.loss_and_grads(hidden, item_weight, bias, weight, class_weight, pos_weight, targets,
+                                    divisor, block_v, compute_metrics, (need_hidden, need_items, need_bias))
+    loss, counts, row_losses = out[:3]
+    return (loss, counts, row_losses, *(_no_grad_buffer(row_losses) if d is None else d for d in out[3:]))
+
+
+@_loss.register_fake
+def _(hidden, item_weight, bias, weight, class_weight, pos_weight, targets, divisor, block_v, compute_metrics,
+      need_hidden, need_items, need_bias):
+    acc = positives.accumulation_dtype(hidden.dtype)
+    grads = [hidden.new_empty(shape if need else (0,), dtype=acc) for shape, need in
+             zip((hidden.shape, item_weight.shape, item_weight.shape[:1]),
+                 (need_hidden, need_items, need_bias and bias is not None))]
+    return (hidden.new_empty((), dtype=acc), hidden.new_empty((4 if compute_metrics else 0,), dtype=torch.float32),
+            hidden.new_empty(hidden.shape[:1], dtype=acc), *grads)
+
+
+def _loss_setup(ctx, inputs, output):
+    ctx.save_for_backward(*output[2:])
+    ctx.dtypes = [None if x is None else x.dtype for x in inputs[:4]]  # hidden, item_weight, bias, weight
+    ctx.divisor, ctx.used = inputs[7], False
+
+
+def _loss_grad(ctx, g_loss, *_):
+    _refuse_double_backward()
+    if ctx.used:
+        raise RuntimeError(
+            "cut_bce_with_logits(reduction='sum'/'mean') computes its gradients during the forward "
+            "and scales them in place, so its graph can be backpropagated once; for retain_graph / "
+            "several backward passes use reduction='none' and reduce the rows yourself"
+        )
+    ctx.used = True
+    row_losses, *grads = ctx.saved_tensors
+    need = ctx.needs_input_grad[:4]
+    out = [_cast(d.mul_(g_loss.to(d.dtype)), dtype) if n else None for d, dtype, n in zip(grads, ctx.dtypes, need)]
+    d_weight = None
+    if need[3]:
+        scale = g_loss.to(row_losses.dtype) / torch.tensor(ctx.divisor, dtype=row_losses.dtype)
+        d_weight = (row_losses * scale).to(ctx.dtypes[3])
+    return (*out, d_weight, None, None, None, None, None, None, None, None, None)
+
+
+_loss.register_autograd(_loss_grad, setup_context=_loss_setup)
+
+
+def loss(hidden, item_weight, bias, weight, class_weight, pos_weight, targets, *, divisor, block_v,
+         compute_metrics):
+    """`(loss [], counts [4] or [0])` of `native.loss_and_grads`, the gradients computed only for the
+    inputs that require them while grad mode is on."""
+    grad_on = torch.is_grad_enabled()
+    need = [grad_on and x is not None and x.requires_grad for x in (hidden, item_weight, bias)]
+    out = _loss(hidden, item_weight, bias, weight, class_weight, pos_weight, targets, float(divisor), block_v,
+                compute_metrics, *need)
+    return out[0], out[1]
