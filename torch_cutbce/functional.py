@@ -108,13 +108,16 @@ def _padded_positions_dropped(hidden, targets, weight, num_items):
 
 
 def _native(flat, weight, *, reduction, n, num_items, block_v, return_metrics):
-    """The native engine on `[N, D]` / `[N, L]` inputs: the loss (and counts), padded positions dropped."""
+    """The native engine on `[N, D]` / `[N, L]` inputs: the loss (and counts), padded positions dropped.
+    `block_v`: the user's tile width, or None for the default."""
     hidden, item_weight, bias, class_weight, pos_weight, targets = flat
     w = None if weight is None else weight.reshape(n)
     kept = _padded_positions_dropped(hidden, targets, w, num_items)
     if kept is not None:
         hidden, targets = hidden.index_select(0, kept), targets.index_select(0, kept)
         w = w.index_select(0, kept)
+    # The default tile is sized for the rows that reach the tiles (fewer rows: wider tiles).
+    block_v = min(block_v or default_block_v(hidden.shape[0], num_items), num_items)
     if reduction != "none" and n > 0:
         # Gradients computed during the forward (native.loss_and_grads); weight and reduction inside.
         loss, counts = ops.loss(hidden, item_weight, bias, w, class_weight, pos_weight, targets,
@@ -211,18 +214,18 @@ def cut_bce_with_logits(
             pos_weight=pos_weight, reduction=reduction, return_metrics=return_metrics,
         )
     n = size.num_positions
-    block_v = min(size.block_v or default_block_v(n, size.num_items), size.num_items)
     flat = (hidden.reshape(n, size.hidden_size), item_weight, bias, class_weight, pos_weight,
             targets.reshape(n, size.num_slots))
     if backend == "native":
         out, counts = _native(flat, weight, reduction=reduction, n=n, num_items=size.num_items,
-                              block_v=block_v, return_metrics=return_metrics)
+                              block_v=size.block_v, return_metrics=return_metrics)
         if reduction != "none" and n > 0:
             return (out, counts) if return_metrics else out
         rows = out
     else:
         from torch_cutbce import xla_bridge  # the one module that imports torch_xla and jax
 
+        block_v = min(size.block_v or default_block_v(n, size.num_items), size.num_items)
         rows, counts = xla_bridge.cut_bce_rows(
             *flat, block_v=block_v, compute_metrics=return_metrics, backend=backend,
             mesh=mesh, vocab_axis=vocab_axis, data_axis=data_axis,
