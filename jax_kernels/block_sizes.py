@@ -132,7 +132,11 @@ def vmem_estimate_bytes(block_n: int, block_v: int, d: int, dtype, *, num_target
       f32.
     - outputs: the d_item_weight block `[block_v, d]` f32 and d_bias `[1, block_v]` f32 (the largest
       output set; the d_hidden block `[block_n, d]` f32 and the forward's three `[block_n, 128]`
-      partial sums are counted by the max).
+      partial sums are counted by the max). For a bf16 table the block is bf16 plus one f32
+      accumulator scratch: the same bytes as two f32 buffers.
+    - The item_weight tile and the d_item_weight block are counted as `[block_v, d]` with d padded
+      to 128 lanes; when the kernels take the table as `[d, V]` (d no multiple of 128) they are
+      `[d, block_v]`, d padded to 8 or 16 sublanes only, so the estimate is an upper bound there.
     - temporaries: the `[block_n, block_v]` f32 logits scratch that the kernels walk in strips of
       8 rows (targets, softplus or sigmoid, weights: the strips' own temporaries are small, for
       any L), four more 4-byte `[block_n, block_v]` tiles (the logits before they are stored,

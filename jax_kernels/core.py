@@ -93,7 +93,11 @@ def _metric_counts(config, counted, ids, num_items):
 
 
 def _in_input_dtypes(hidden, item_weight, bias, grads):
-    """Gradients accumulated in float32/float64, returned in the inputs' dtypes."""
+    """Gradients accumulated in float32/float64, returned in the inputs' dtypes.
+
+    The Pallas d_item_weight arrives in the table's dtype already (the kernel rounds its f32
+    accumulator once), so its `astype` is a no-op and adds no table-sized buffer.
+    """
     d_hidden, d_item_weight, d_bias = grads
     return (
         d_hidden.astype(hidden.dtype),
@@ -127,10 +131,12 @@ def cut_bce_backward(hidden, item_weight, targets, bias, class_weight, pos_weigh
 
 
 def cut_bce_value_and_grad(hidden, item_weight, targets, bias, class_weight, pos_weight, g, *, config: CutBCEConfig):
-    """`cut_bce_forward`'s `(rows, counts)` and `cut_bce_backward`'s gradients for `g`, in one blocked loop.
+    """`cut_bce_forward`'s `(rows, counts)` and the gradients for `g`, in one blocked loop.
 
     For a row gradient `g [N]` known before the forward (scalar reductions): each logit tile is
-    computed once, not twice. Blocked implementation only (`config.impl == 'blocked'`).
+    computed once, not twice. Blocked implementation only (`config.impl == 'blocked'`). The
+    gradients stay in the accumulation dtype (float32 for bfloat16 inputs): the caller scales them
+    by the upstream scalar and rounds once, to each input's dtype.
     """
     if config.impl != "blocked":
         raise ValueError(f"cut_bce_value_and_grad runs the blocked loop only, got impl={config.impl!r}")
@@ -140,7 +146,7 @@ def cut_bce_value_and_grad(hidden, item_weight, targets, bias, class_weight, pos
         block_v=config.block_v, compute_counts=config.compute_metrics,
     )
     counts = _metric_counts(config, counted, ids, item_weight.shape[0])
-    return (rows, counts), _in_input_dtypes(hidden, item_weight, bias, grads)
+    return (rows, counts), tuple(grads)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -190,19 +196,23 @@ def _weighted_sum_fwd(config, hidden, item_weight, targets, bias, class_weight, 
         hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight, config=config
     )
     loss = (rows * row_weight.astype(rows.dtype)).sum()
-    # Residuals: the gradients (the size of the inputs), rows and row_weight; nothing of size N x block_v.
-    return (loss, counts), (grads, rows, row_weight)
+    # Residuals: the gradients (the size of the inputs, in the accumulation dtype), rows and
+    # row_weight, and empty arrays that carry the inputs' dtypes; nothing of size N x block_v.
+    dtypes = tuple(None if x is None else jnp.zeros((0,), x.dtype) for x in (hidden, item_weight, bias))
+    return (loss, counts), (grads, dtypes, rows, row_weight)
 
 
 def _weighted_sum_bwd(config, residuals, cotangents):
-    (d_hidden, d_item_weight, d_bias), rows, row_weight = residuals
+    grads, dtypes, rows, row_weight = residuals
     g, _ = cotangents  # the scalar cotangent of the loss; the counts are not differentiable
 
-    def scaled(x):
-        return None if x is None else (x * g).astype(x.dtype)
+    def scaled(x, like):  # scaled in the accumulation dtype, then rounded once
+        return None if x is None else (x * g.astype(x.dtype)).astype(like.dtype)
+
+    d_hidden, d_item_weight, d_bias = (scaled(x, like) for x, like in zip(grads, dtypes))
 
     d_row_weight = (rows * g).astype(row_weight.dtype)
-    return scaled(d_hidden), scaled(d_item_weight), None, scaled(d_bias), None, None, d_row_weight
+    return d_hidden, d_item_weight, None, d_bias, None, None, d_row_weight
 
 
 cut_bce_weighted_sum.defvjp(_weighted_sum_fwd, _weighted_sum_bwd)

@@ -31,9 +31,17 @@ grids, bytes moved and VMEM use):
   blocks that stay resident across the item axis;
 - d_hidden, same grid: the `[block_n, D]` f32 output block accumulates `(dz / g) @ W`; g is applied
   afterwards (it is constant along the reduction);
-- d_item_weight and d_bias, grid (item tiles "parallel", token tiles "arbitrary"): the `[block_v, D]`
-  f32 output block accumulates `dz^T @ hidden`.
+- d_item_weight and d_bias, grid (item tiles "parallel", token tiles "arbitrary"): an f32 block
+  resident across the token axis accumulates the tile's `dz^T @ hidden`, written once in the
+  table's dtype.
 No `[v_tiles, N, D]` partial sums reach HBM (the reference backward's flaw).
+
+The table's layout: where XLA stores a `[V, D]` table with V in lanes (TPU does so when D is no
+multiple of 128, to avoid padding D to 128 lanes), the kernels take `item_weight.T` `[D, V]`, a
+free bitcast of that storage, and give back d_item_weight as `[D, V]` too; otherwise they take
+`[V, D]` as is (`_items_in_lanes`). Either way no table-sized copy and no f32 table-sized
+gradient reaches HBM: the compiled training step's HBM temp at V 876,939, D 64, bf16 on v5e went
+from 642.6 MiB to 0 (benchmarks/results/tpu_temp_before_after.md).
 
 Ragged shapes: N is zero-padded to a tile multiple in the launcher (hidden rows are cheap to copy;
 padded rows get ids -1 and g = 0, so they add nothing). The item table is never copied: the last
@@ -59,7 +67,9 @@ from jax.experimental.pallas import tpu as pltpu
 from jax_kernels.block_sizes import LANES, BlockSizes, default_block_sizes
 
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-_NT = (((1,), (1,)), ((), ()))  # [bn, D] x [bv, D] -> [bn, bv]: contract both minor dims.
+_NT = (((1,), (1,)), ((), ()))  # [a, k] x [b, k] -> [a, b]: contract both minor dims.
+_NN = (((1,), (0,)), ((), ()))  # [a, k] x [k, b] -> [a, b]: the plain matmul.
+_TN = (((0,), (0,)), ((), ()))  # [k, a] x [k, b] -> [a, b]: contract both major dims.
 # Logit given to items past V: softplus and sigmoid of it are exactly 0 in f32. Finite, so no
 # inf - inf can arise if the tile math changes.
 _MASKED_LOGIT = -1e30
@@ -73,37 +83,48 @@ _STRIP = 8
 
 def _precision(dtype):
     # f32 inputs ask for the f32-exact MXU mode (6 bf16 passes): the f32 path exists for accuracy.
+    # DEFAULT would be one bf16 pass (XLA's default for f32 dots on TPU, and the seed's): rows
+    # 1.4e-4 to 5.6e-4 relative off, 14-56x the README's float32 bound (emulated on CPU). Mosaic
+    # offers no 3-pass HIGH (jax 0.7.1: "Unsupported dot precision"), and 3 passes would leave a
+    # ~1e-4 logit error, relative error on a confident positive's loss. Cost, compiled for v5e at
+    # N 1000, V 100,000, D 256: 3.0 s and 1.95 MiB of code vs 0.8 s and 0.58 MiB for DEFAULT
+    # (benchmarks/NOTES.md section 8).
     # bf16 inputs are exact products on the MXU already; f32 accumulation comes from
     # preferred_element_type.
     return lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
 
 
-def _logits(h, w, bias_row):
-    """`[bn, D] x [bv, D] -> [bn, bv]` f32 logits plus the `[1, bv]` bias row (or None)."""
+def _logits(h, w, bias_row, items_in_lanes):
+    """`[bn, bv]` f32 logits of `h [bn, D]` and the item tile (`[D, bv]` when `items_in_lanes`,
+    else `[bv, D]`), plus the `[1, bv]` bias row (or None)."""
     z = lax.dot_general(
-        h, w, _NT, precision=_precision(h.dtype), preferred_element_type=jnp.float32
+        h, w, _NN if items_in_lanes else _NT, precision=_precision(h.dtype),
+        preferred_element_type=jnp.float32,
     )
     if bias_row is not None:
         z = z + bias_row  # [1, bv] broadcasts over sublanes.
     return z
 
 
-def _item_tile(w_ref, b_ref, c_ref, p_ref, tile_index, *, ragged_v, v_total, block_v):
-    """Load the item tile `(w [bv, D], bias_row, cw_row, pw_row)`, each row `[1, bv]` or None.
+def _item_tile(w_ref, b_ref, c_ref, p_ref, tile_index, *, ragged_v, v_total, block_v,
+               items_in_lanes):
+    """Load the item tile `(w, bias_row, cw_row, pw_row)`: w `[D, bv]` when `items_in_lanes`, else
+    `[bv, D]`; each row `[1, bv]` or None.
 
-    On a ragged V the rows past V hold unspecified data (NaN in interpret mode). Instead of masking
+    On a ragged V the items past V hold unspecified data (NaN in interpret mode). Instead of masking
     the `[bn, bv]` logits tile (an iota, compare and select per logit), make those columns exact
-    no-ops at the source: zero their item_weight rows, set their bias to a huge negative logit and
-    their class and pos weights to 0. Then z = -1e30 there (and y is False: ids are < V), so
-    softplus(zs) = sigmoid(zs) = 0 and z > 0 is false, exactly. This costs selects on `[bv, D]` and
-    `[1, bv]` only.
+    no-ops at the source: zero their item_weight entries, set their bias to a huge negative logit
+    and their class and pos weights to 0. Then z = -1e30 there (and y is False: ids are < V), so
+    softplus(zs) = sigmoid(zs) = 0 and z > 0 is false, exactly. This costs selects on the
+    `D x bv` tile and `[1, bv]` rows only.
     """
     w = w_ref[...]
     bias_row, cw_row, pw_row = (None if r is None else r[...] for r in (b_ref, c_ref, p_ref))
     if ragged_v:
         first = tile_index * block_v
         valid_row = lax.broadcasted_iota(jnp.int32, (1, block_v), 1) + first < v_total
-        valid_w = lax.broadcasted_iota(jnp.int32, w.shape, 0) + first < v_total
+        item_axis = 1 if items_in_lanes else 0
+        valid_w = lax.broadcasted_iota(jnp.int32, w.shape, item_axis) + first < v_total
         w = jnp.where(valid_w, w, jnp.zeros_like(w))
         # Typed float32 constants: under jax_enable_x64 two Python floats would make a float64
         # row, and Mosaic has no float64.
@@ -205,7 +226,8 @@ def _lane_partial_sum(x):
 
 def _split_refs(refs, has_bias, has_cw, has_pw, has_ids):
     """Split a kernel's Refs into the inputs `(h, w, bias, cw, pw, ids)` (None where absent), the
-    outputs, and the `[bn, bv]` f32 logits scratch."""
+    remaining inputs, outputs and other scratch in order, and the `[bn, bv]` f32 logits scratch
+    (the last scratch: `_pallas` puts it there)."""
     refs = list(refs)
     h_ref, w_ref = refs.pop(0), refs.pop(0)
     optional = [refs.pop(0) if has else None for has in (has_bias, has_cw, has_pw, has_ids)]
@@ -225,7 +247,7 @@ def _forward_kernel(*refs, flags, compute_counts, **item_tile_options):
             ref[...] = jnp.zeros(ref.shape, jnp.float32)
 
     w, bias_row, cw_row, pw_row = _item_tile(w_ref, b_ref, c_ref, p_ref, j, **item_tile_options)
-    z_ref[...] = _logits(h_ref[...], w, bias_row)
+    z_ref[...] = _logits(h_ref[...], w, bias_row, item_tile_options["items_in_lanes"])
     columns = _columns(j, item_tile_options["block_v"])
 
     def strip(rows):
@@ -254,8 +276,9 @@ def _d_hidden_kernel(*refs, flags, **item_tile_options):
 
     # This kernel contracts over items: past V, dz / g is exactly 0 and the item_weight rows are
     # zeros (0 * NaN would poison the matmul), see _item_tile.
+    items_in_lanes = item_tile_options["items_in_lanes"]
     w, bias_row, cw_row, pw_row = _item_tile(w_ref, b_ref, c_ref, p_ref, j, **item_tile_options)
-    z_ref[...] = _logits(h_ref[...], w, bias_row)
+    z_ref[...] = _logits(h_ref[...], w, bias_row, items_in_lanes)
     columns = _columns(j, item_tile_options["block_v"])
 
     def strip(rows):  # z_ref[rows] <- dz / g, in place
@@ -263,32 +286,41 @@ def _d_hidden_kernel(*refs, flags, **item_tile_options):
         z_ref[rows, :] = _dz_over_g(z_ref[rows, :], y, _weights(y, cw_row, pw_row))
 
     _for_each_strip(z_ref.shape[0], strip)
+    # [bn, bv] x (w [D, bv] or [bv, D]) -> [bn, D]: contract the items.
     dh_ref[...] += lax.dot_general(
         z_ref[...].astype(w.dtype),
         w,
-        (((1,), (0,)), ((), ())),
+        _NT if items_in_lanes else _NN,
         precision=_precision(w.dtype),
         preferred_element_type=jnp.float32,
     )
 
 
-def _d_item_kernel(*refs, flags, block_v):
-    """Grid (j: item tile, i: token tile). Accumulates `dz^T @ hidden` into `[bv, D]` f32 and
-    `sum_n dz` into `[1, bv]` f32, both resident across i. Nothing here is masked: padded rows have
-    g = 0, h = 0 and ids -1 (dz = 0 exactly), and garbage columns past V only reach output rows
-    past V, which are never written back."""
+def _d_item_kernel(*refs, flags, block_v, items_in_lanes):
+    """Grid (j: item tile, i: token tile). Accumulates the item tile's gradient in float32,
+    resident across i: `hidden^T @ dz` `[D, bv]` when `items_in_lanes`, else `dz^T @ hidden`
+    `[bv, D]`; and `sum_n dz` `[1, bv]`.
+
+    The table's gradient is accumulated in an f32 VMEM scratch and written once, in the table's
+    dtype, on the last token tile: rounded once, as a float32 output cast afterwards would be,
+    but the table-sized HBM buffer is the output itself (bf16: half the bytes), not an f32
+    intermediate. For a float32 table the output block is the accumulator (no scratch).
+    Nothing here is masked: padded rows have g = 0, h = 0 and ids -1 (dz = 0 exactly), and
+    garbage columns past V only reach output columns past V, which are never written back."""
     (h_ref, w_ref, b_ref, c_ref, p_ref, ids_ref), rest, z_ref = _split_refs(refs, *flags)
-    g_ref, dw_ref = rest[0], rest[1]
-    db_ref = rest[2] if len(rest) > 2 else None
+    g_ref, dw_ref, *rest = rest
+    db_ref = rest.pop(0) if flags[0] else None
+    acc_ref = rest.pop(0) if rest else dw_ref  # the f32 scratch, when the table is not float32
     j, i = pl.program_id(0), pl.program_id(1)
 
     @pl.when(i == 0)
     def _init():
-        for ref in rest[1:]:
-            ref[...] = jnp.zeros(ref.shape, jnp.float32)
+        for ref in (acc_ref, db_ref):
+            if ref is not None:
+                ref[...] = jnp.zeros(ref.shape, jnp.float32)
 
     h = h_ref[...]
-    z_ref[...] = _logits(h, w_ref[...], None if b_ref is None else b_ref[...])
+    z_ref[...] = _logits(h, w_ref[...], None if b_ref is None else b_ref[...], items_in_lanes)
     columns = _columns(j, block_v)
     cw_row, pw_row = (None if r is None else r[...] for r in (c_ref, p_ref))
 
@@ -301,20 +333,30 @@ def _d_item_kernel(*refs, flags, block_v):
 
     _for_each_strip(z_ref.shape[0], strip)
     dz = z_ref[...]
-    dw_ref[...] += lax.dot(
-        dz.T.astype(h.dtype), h, precision=_precision(h.dtype), preferred_element_type=jnp.float32
-    )
+    if items_in_lanes:  # [bn, D] x [bn, bv] -> [D, bv]: contract the tokens.
+        acc_ref[...] += lax.dot_general(h, dz.astype(h.dtype), _TN,
+                                        precision=_precision(h.dtype),
+                                        preferred_element_type=jnp.float32)
+    else:
+        acc_ref[...] += lax.dot(dz.T.astype(h.dtype), h, precision=_precision(h.dtype),
+                                preferred_element_type=jnp.float32)
     if db_ref is not None:
         db_ref[...] += jnp.sum(dz, axis=0, keepdims=True)
+    if acc_ref is not dw_ref:
+
+        @pl.when(i == pl.num_programs(1) - 1)
+        def _write():
+            dw_ref[...] = acc_ref[...].astype(dw_ref.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
 # pallas_call builders: (operands..., interpret) -> outputs. Shapes and options are bound statically.
 
 
-def _input_specs(flags, bs, d, num_slots, *, token_axis):
-    """BlockSpecs of `(h, w, bias?, cw?, pw?, ids?)`; the grid axis `token_axis` walks token tiles,
-    the other one item tiles."""
+def _input_specs(flags, bs, d, num_slots, items_in_lanes, *, token_axis):
+    """BlockSpecs of `(h, w, bias?, cw?, pw?, ids?)`, w being the table `[D, V]` when
+    `items_in_lanes`, else `[V, D]`; the grid axis `token_axis` walks token tiles, the other one
+    item tiles."""
     has_bias, has_cw, has_pw, has_ids = flags
     bn, bv = bs.block_n, bs.block_v
 
@@ -326,7 +368,8 @@ def _input_specs(flags, bs, d, num_slots, *, token_axis):
 
     specs = [
         pl.BlockSpec((bn, d), lambda *ij: (tokens(*ij), 0)),
-        pl.BlockSpec((bv, d), lambda *ij: (items(*ij), 0)),
+        (pl.BlockSpec((d, bv), lambda *ij: (0, items(*ij))) if items_in_lanes
+         else pl.BlockSpec((bv, d), lambda *ij: (items(*ij), 0))),
     ]
     # bias, class and pos weight as `[1, V]` f32 rows.
     specs += [pl.BlockSpec((1, bv), lambda *ij: (0, items(*ij)))] * (has_bias + has_cw + has_pw)
@@ -336,12 +379,13 @@ def _input_specs(flags, bs, d, num_slots, *, token_axis):
     return specs
 
 
-def _pallas(kernel, *, bs, cost, **call_options):
+def _pallas(kernel, *, bs, cost, scratch_shapes=(), **call_options):
     """`pl.pallas_call` with what the three kernels share: the `[bn, bv]` f32 logits scratch that
-    they walk strip by strip, ("parallel", "arbitrary") grid semantics and the VMEM limit."""
+    they walk strip by strip (after any other `scratch_shapes`), ("parallel", "arbitrary") grid
+    semantics and the VMEM limit."""
     return pl.pallas_call(
         kernel,
-        scratch_shapes=[pltpu.VMEM((bs.block_n, bs.block_v), jnp.float32)],
+        scratch_shapes=[*scratch_shapes, pltpu.VMEM((bs.block_n, bs.block_v), jnp.float32)],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=bs.vmem_limit_bytes
         ),
@@ -368,14 +412,16 @@ def _forward_call(*operands, interpret, compute_counts, **static):
     grid = (n_pad // bs.block_n, pl.cdiv(v, bs.block_v))
     n_out = 1 + compute_counts * (1 + flags[3])  # loss, then predicted and hits
     kernel = functools.partial(_forward_kernel, flags=flags, compute_counts=compute_counts,
-                               ragged_v=v % bs.block_v != 0, v_total=v, block_v=bs.block_v)
+                               ragged_v=v % bs.block_v != 0, v_total=v, block_v=bs.block_v,
+                               items_in_lanes=static["items_in_lanes"])
     return _pallas(
         kernel,
         bs=bs,
         cost=_cost(static, operands[0].dtype.itemsize, matmuls=1, transcendentals=2,
                    table_passes=grid[0], token_passes=1, written=n_out * n_pad * LANES * 4),
         grid=grid,
-        in_specs=_input_specs(flags, bs, d, static["num_slots"], token_axis=0),
+        in_specs=_input_specs(flags, bs, d, static["num_slots"], static["items_in_lanes"],
+                              token_axis=0),
         out_specs=[pl.BlockSpec((bs.block_n, LANES), lambda i, j: (i, 0))] * n_out,
         out_shape=[jax.ShapeDtypeStruct((n_pad, LANES), jnp.float32)] * n_out,
         interpret=interpret,
@@ -387,14 +433,16 @@ def _d_hidden_call(*operands, interpret, **static):
     n_pad, v, d, bs, flags = (static[k] for k in ("n_pad", "v", "d", "bs", "flags"))
     grid = (n_pad // bs.block_n, pl.cdiv(v, bs.block_v))
     kernel = functools.partial(_d_hidden_kernel, flags=flags, ragged_v=v % bs.block_v != 0,
-                               v_total=v, block_v=bs.block_v)
+                               v_total=v, block_v=bs.block_v,
+                               items_in_lanes=static["items_in_lanes"])
     return _pallas(
         kernel,
         bs=bs,
         cost=_cost(static, operands[0].dtype.itemsize, matmuls=2, transcendentals=1,
                    table_passes=grid[0], token_passes=1, written=n_pad * d * 4),
         grid=grid,
-        in_specs=_input_specs(flags, bs, d, static["num_slots"], token_axis=0),
+        in_specs=_input_specs(flags, bs, d, static["num_slots"], static["items_in_lanes"],
+                              token_axis=0),
         out_specs=pl.BlockSpec((bs.block_n, d), lambda i, j: (i, 0)),
         out_shape=jax.ShapeDtypeStruct((n_pad, d), jnp.float32),
         interpret=interpret,
@@ -404,22 +452,32 @@ def _d_hidden_call(*operands, interpret, **static):
 
 def _d_item_call(*operands, interpret, **static):
     n_pad, v, d, bs, flags = (static[k] for k in ("n_pad", "v", "d", "bs", "flags"))
+    items_in_lanes = static["items_in_lanes"]
     bn, bv = bs.block_n, bs.block_v
     grid = (pl.cdiv(v, bv), n_pad // bn)
-    out_specs = [pl.BlockSpec((bv, d), lambda j, i: (j, 0))]
-    out_shape = [jax.ShapeDtypeStruct((v, d), jnp.float32)]
+    table_dtype = operands[1].dtype
+    if items_in_lanes:
+        out_specs = [pl.BlockSpec((d, bv), lambda j, i: (0, j))]
+        out_shape = [jax.ShapeDtypeStruct((d, v), table_dtype)]
+    else:
+        out_specs = [pl.BlockSpec((bv, d), lambda j, i: (j, 0))]
+        out_shape = [jax.ShapeDtypeStruct((v, d), table_dtype)]
     if flags[0]:  # d_bias
         out_specs.append(pl.BlockSpec((1, bv), lambda j, i: (0, j)))
         out_shape.append(jax.ShapeDtypeStruct((1, v), jnp.float32))
+    # A float32 table accumulates in its output block; another dtype in an f32 scratch.
+    accumulator = ([] if table_dtype == jnp.float32
+                   else [pltpu.VMEM(out_specs[0].block_shape, jnp.float32)])
     return _pallas(
-        functools.partial(_d_item_kernel, flags=flags, block_v=bv),
+        functools.partial(_d_item_kernel, flags=flags, block_v=bv, items_in_lanes=items_in_lanes),
         bs=bs,
+        scratch_shapes=accumulator,
         # The lane-replicated g is read with hidden, once per item tile.
         cost=_cost(static, operands[0].dtype.itemsize, matmuls=2, transcendentals=1,
                    table_passes=1, token_passes=grid[0],
-                   written=v * d * 4 + grid[0] * n_pad * LANES * 4),
+                   written=v * d * table_dtype.itemsize + grid[0] * n_pad * LANES * 4),
         grid=grid,
-        in_specs=[*_input_specs(flags, bs, d, static["num_slots"], token_axis=1),
+        in_specs=[*_input_specs(flags, bs, d, static["num_slots"], items_in_lanes, token_axis=1),
                   pl.BlockSpec((bn, LANES), lambda j, i: (i, 0))],  # lane-replicated g
         out_specs=out_specs,
         out_shape=out_shape,
@@ -471,6 +529,21 @@ def _check_inputs(hidden, item_weight, bias, class_weight, pos_weight, ids):
         raise TypeError(f"ids must be integer, got {ids.dtype}")
 
 
+def _items_in_lanes(d):
+    """Whether the kernels take the item table as `[D, V]` (items along lanes) rather than `[V, D]`.
+
+    XLA's TPU layout assignment stores a `[V, D]` array whose D is no multiple of 128 with V as
+    its minor (lane) dimension, layout `{0,1}`: D along lanes would be padded to 128 (D = 64: twice
+    the bytes). Measured with libtpu 0.0.20 for v5e and v6e: `{0,1}` for D = 8, 40, 64, 72, 96,
+    192 and `{1,0}` for D = 128, 256. A Pallas call takes row-major (`{1,0}`) operands, so a
+    `[V, D]` operand cost a lane-padded copy of the table (214 MiB at V 876,939, D 64, bf16) and
+    its gradient a copy back; `item_weight.T` of a `{0,1}` array is a free bitcast to a row-major
+    `[D, V]`, and so is the `[D, V]` gradient's `.T` into a `{0,1}` output. Off TPU (the
+    interpreter) either form is correct, and the same rule keeps both tested.
+    """
+    return d % LANES != 0
+
+
 def _prepare(hidden, item_weight, bias, class_weight, pos_weight, ids, block_sizes):
     """Pick and clip the tiles, pad hidden rows (zeros) and ids (-1) to a tile multiple, shape the
     row vectors. Returns `(operands, static)`: the kernels' inputs in order and the options."""
@@ -481,14 +554,17 @@ def _prepare(hidden, item_weight, bias, class_weight, pos_weight, ids, block_siz
     bs = block_sizes or default_block_sizes(n, v, d, hidden.dtype, num_targets=num_slots)
     bs = bs.clipped(n, v)
     n_pad = -(-n // bs.block_n) * bs.block_n
-    operands = [jnp.pad(hidden, ((0, n_pad - n), (0, 0))) if n_pad != n else hidden, item_weight]
+    items_in_lanes = _items_in_lanes(d)
+    operands = [jnp.pad(hidden, ((0, n_pad - n), (0, 0))) if n_pad != n else hidden,
+                item_weight.T if items_in_lanes else item_weight]
     operands += [x.astype(jnp.float32).reshape(1, v)
                  for x in (bias, class_weight, pos_weight) if x is not None]
     if num_slots:
         operands.append(jnp.pad(ids.astype(jnp.int32), ((0, n_pad - n), (0, 0)),
                                 constant_values=-1))
     flags = (bias is not None, class_weight is not None, pos_weight is not None, num_slots > 0)
-    return operands, dict(n_pad=n_pad, v=v, d=d, num_slots=num_slots, bs=bs, flags=flags)
+    return operands, dict(n_pad=n_pad, v=v, d=d, num_slots=num_slots, bs=bs, flags=flags,
+                          items_in_lanes=items_in_lanes)
 
 
 def pallas_background_forward(
@@ -558,8 +634,8 @@ def pallas_background_backward(
         block_sizes: tiles and VMEM limit; None derives them from the chip.
 
     Returns:
-        `d_hidden` `[N, D]` float32, `d_item_weight` `[V, D]` float32, and `d_bias` `[V]` float32
-        (None when bias is None).
+        `d_hidden` `[N, D]` float32, `d_item_weight` `[V, D]` in item_weight's dtype (accumulated
+        in float32 and rounded once), and `d_bias` `[V]` float32 (None when bias is None).
 
     Raises:
         TypeError: for float64 or float16 inputs, mismatched dtypes, or non-integer ids.
@@ -579,4 +655,4 @@ def pallas_background_backward(
     )
     outs = _on_platform(functools.partial(_d_item_call, **static), *operands, g_lanes)
     d_bias = outs[1][0] if bias is not None else None
-    return d_hidden, outs[0], d_bias
+    return d_hidden, (outs[0].T if static["items_in_lanes"] else outs[0]), d_bias

@@ -21,8 +21,17 @@ OPTIONS = ("bias", "class_weight", "pos_weight", "counts")
 # Mostly odd shapes (N and V no multiple of 8 or 128) so that the ragged-tile and padding paths are
 # compiled; the last is the degenerate one-row, one-item case.
 SHAPES = ((37, 1001, 72), (130, 700, 40), (5, 99, 16), (61, 513, 24), (300, 2000, 64), (1, 1, 8))
-# The forward whose temp bytes the test bounds: v5e, bfloat16, N 8192, V 876,939, D 64, L 8.
+# The compiles whose HBM temp bytes the test bounds, all on v5e at N 8192, V 876,939, L 8 (a few
+# seconds each): the forward and value_and_grad of the issue-12 case (bfloat16, D 64: the table is
+# stored with V in lanes), value_and_grad in float32, and in bfloat16 at D 256 (the table stored
+# row-major, D in lanes).
 TEMP_CASE = dict(n=8192, v=876_939, d=64, num_slots=8, dtype="bfloat16", options=())
+TEMP_CASES = {
+    "forward_temp_bound": TEMP_CASE,
+    "value_and_grad_temp_bound": TEMP_CASE,
+    "value_and_grad_temp_bound_f32": dict(TEMP_CASE, dtype="float32"),
+    "value_and_grad_temp_bound_d256": dict(TEMP_CASE, d=256),
+}
 
 
 def cases(chips=CHIPS):
@@ -94,12 +103,17 @@ def main(out_path, chips):
         records += compile_case(chip, case)
         print(chip, case, [(r["what"], round(r["seconds"], 1), r["error"] and r["error"][:200])
                            for r in records[-3:]], flush=True)
-    s = _structs(TEMP_CASE)
-    fwd = functools.partial(pallas_background_forward, compute_counts=False)
-    result = tpu_compile.compile_for("v5e", fwd, s["hidden"], s["item_weight"], None, None, None,
-                                     s["ids"])
-    records.append(dict(TEMP_CASE, what="forward_temp_bound",
-                        **dataclasses.asdict(result)))
+    for what, case in TEMP_CASES.items():
+        s = _structs(case)
+        if what.startswith("forward"):
+            fn = functools.partial(pallas_background_forward, compute_counts=False)
+            args = (s["hidden"], s["item_weight"], None, None, None, s["ids"])
+        else:
+            fn = functools.partial(_loss_and_grads, counts=False)
+            args = (s["hidden"], s["item_weight"], s["ids"], None, None, None)
+        result = tpu_compile.compile_for("v5e", fn, *args)
+        records.append(dict(case, what=what, **dataclasses.asdict(result)))
+        print(what, case, round(result.seconds, 1), result.temp_bytes, result.error, flush=True)
     with open(out_path, "w") as f:
         json.dump(records, f, indent=1)
 

@@ -266,13 +266,16 @@ def dense_bf16(hidden, item_weight, bias, class_weight, pos_weight, ids, g):
     return rows, dz @ item_weight, dz.T @ hidden, dz.sum(axis=0)
 
 
-def test_bfloat16_no_worse_than_dense_bfloat16():
-    inputs = make_inputs(7, 300, 1000, 72, 6, dtype=jnp.bfloat16)
+@pytest.mark.parametrize("d", [72, 128])  # the table as [D, V] (D % 128 != 0) and as [V, D]
+def test_bfloat16_no_worse_than_dense_bfloat16(d):
+    """d_item_weight comes back in the table's dtype (accumulated in float32, rounded once, like
+    the dense bf16 product); rows, d_hidden and d_bias in float32."""
+    inputs = make_inputs(7, 300, 1000, d, 6, dtype=jnp.bfloat16)
     rows, predicted, hits, *grads = run_kernels(inputs, BlockSizes(block_n=128, block_v=256))
     truth = oracle(*inputs)
     dense = dense_bf16(*inputs)
     for key, got, ref in zip(("rows", *GRADS), (rows, *grads), dense):
-        assert got.dtype == jnp.float32, key
+        assert got.dtype == (jnp.bfloat16 if key == "d_item_weight" else jnp.float32), key
         want = truth[key]
         ref_err = np.abs(np.asarray(ref, np.float64) - want).max() / np.abs(want).max()
         assert_close(f"bf16/{key}", got, want, ref_err + BF16_MARGIN, reference=ref)

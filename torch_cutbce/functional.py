@@ -226,11 +226,31 @@ def cut_bce_with_logits(
         from torch_cutbce import xla_bridge  # the one module that imports torch_xla and jax
 
         block_v = min(size.block_v or default_block_v(n, size.num_items), size.num_items)
+        if reduction != "none" and n > 0 and xla_bridge.one_pass(backend, hidden.dtype, mesh):
+            return _xla_one_pass(flat, weight, reduction=reduction, n=n, num_items=size.num_items,
+                                 block_v=block_v, return_metrics=return_metrics)
         rows, counts = xla_bridge.cut_bce_rows(
             *flat, block_v=block_v, compute_metrics=return_metrics, backend=backend,
             mesh=mesh, vocab_axis=vocab_axis, data_axis=data_axis,
         )
     return reduce_rows(rows, counts, weight, reduction, size.lead_shape, size.num_items, return_metrics)
+
+
+def _xla_one_pass(flat, weight, *, reduction, n, num_items, block_v, return_metrics):
+    """'sum' / 'mean' through the bridge with the gradients computed in the forward (one pass)."""
+    from torch_cutbce import xla_bridge
+
+    hidden = flat[0]
+    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    w = torch.ones(n, dtype=acc, device=hidden.device) if weight is None else weight.reshape(n).to(acc)
+    row_weight = w / reduction_divisor(reduction, n, num_items)
+    loss, counts = xla_bridge.cut_bce_weighted_sum(*flat, row_weight, block_v=block_v,
+                                                   compute_metrics=return_metrics)
+    if not return_metrics:
+        return loss
+    if weight is not None:
+        counts = counts * weight.detach().reshape(1, n).to(counts.dtype)
+    return loss, CutBCEMetrics(*counts.sum(-1))
 
 
 def reduce_rows(rows, counts, weight, reduction, lead_shape, num_items, return_metrics):

@@ -70,6 +70,19 @@ def _jax_backward(hidden, item_weight, targets, bias, class_weight, pos_weight, 
     return d_hidden, d_items, jnp.zeros((0,), d_items.dtype) if d_bias is None else d_bias
 
 
+def _jax_weighted_sum(hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight, *, config):
+    """`sum_n row_weight[n] rows[n]`, the `[4 or 0, N]` counts, the rows, and the gradients for an
+    upstream 1, in one pass over the tiles (`cut_bce_value_and_grad`; blocked implementation)."""
+    global _trace_count
+    _trace_count += 1
+    (rows, counts), (d_hidden, d_items, d_bias) = jax_core.cut_bce_value_and_grad(
+        hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight, config=config
+    )
+    loss = (rows * row_weight.astype(rows.dtype)).sum()
+    # One output structure whatever the inputs (see _jax_backward); gradients in the accumulation dtype.
+    return loss, counts, rows, d_hidden, d_items, jnp.zeros((0,), d_items.dtype) if d_bias is None else d_bias
+
+
 def resolve_impl(backend: str, dtype: torch.dtype) -> str:
     """Kernel choice on the JAX side: Pallas on a TPU, the blocked loop on other XLA backends."""
     if backend == "xla_blocked":
@@ -187,6 +200,93 @@ def _backward(ctx, g_rows, _g_counts):
 xla_rows.register_autograd(_backward, setup_context=_setup_context)
 
 
+@torch.library.custom_op("cutbce::xla_weighted_sum", mutates_args=())
+def xla_weighted_sum(
+    hidden: torch.Tensor,
+    item_weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None,
+    class_weight: torch.Tensor | None,
+    pos_weight: torch.Tensor | None,
+    row_weight: torch.Tensor,
+    block_v: int,
+    compute_metrics: bool,
+) -> list[torch.Tensor]:
+    """`[loss, counts, rows, d_hidden, d_item_weight, d_bias or an empty placeholder]` of `_jax_weighted_sum`."""
+    config = jax_core.CutBCEConfig(block_v=block_v, compute_metrics=compute_metrics, impl="blocked")
+    args = (hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight)
+    return list(xb.call_jax(_jax_weighted_sum, args, {"config": config}))
+
+
+@xla_weighted_sum.register_fake
+def _(hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight, block_v, compute_metrics):
+    n, acc = hidden.shape[0], _rows_dtype(hidden)
+    return [hidden.new_empty((), dtype=acc), hidden.new_empty((4 if compute_metrics else 0, n), dtype=torch.float32),
+            hidden.new_empty((n,), dtype=acc), torch.empty_like(hidden, dtype=acc),
+            torch.empty_like(item_weight, dtype=acc),
+            hidden.new_empty(bias.shape if bias is not None else (0,), dtype=acc)]
+
+
+def _weighted_sum_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[2], *output[3:])
+    ctx.dtypes = [None if x is None else x.dtype for x in (inputs[0], inputs[1], inputs[3])]
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _weighted_sum_backward(ctx, output_grads):
+    g_loss = output_grads[0]  # a list-returning op gets its output gradients as one list
+    rows, d_hidden, d_items, d_bias = ctx.saved_tensors  # gradients in the accumulation dtype
+    need = ctx.needs_input_grad
+
+    def scaled(grad, dtype):  # scaled in the accumulation dtype, then rounded once
+        return (grad * g_loss.to(grad.dtype)).to(dtype)
+
+    d_hidden, d_items = (scaled(d, dtype) if n else None
+                         for d, dtype, n in zip((d_hidden, d_items), ctx.dtypes[:2], need[:2]))
+    d_bias = scaled(d_bias, ctx.dtypes[2]) if need[3] else None
+    d_row_weight = (rows * g_loss.to(rows.dtype)) if need[6] else None
+    return d_hidden, d_items, None, d_bias, None, None, d_row_weight, None, None
+
+
+xla_weighted_sum.register_autograd(_weighted_sum_backward, setup_context=_weighted_sum_setup)
+
+
+def _xla_targets(targets: torch.Tensor, num_items: int) -> torch.Tensor:
+    """Item ids fit int32 (V < 2**31) and JAX without 64-bit mode reads int32. Ids outside [0, V)
+    become -1 BEFORE the narrowing cast (an int64 -2**32 would otherwise wrap to item 0); on XLA
+    they cannot be checked without a host sync, so they are ignored like padding (documented)."""
+    targets = targets.long()  # int8/uint8/int16 ids would compare with V wrapped to their range
+    valid = (targets >= 0) & (targets < num_items)
+    return torch.where(valid, targets, torch.full_like(targets, -1)).to(torch.int32)
+
+
+def _check_x64(hidden: torch.Tensor) -> None:
+    if hidden.dtype == torch.float64 and not jax.config.jax_enable_x64:
+        raise TypeError(
+            "float64 tensors on XLA need JAX's 64-bit mode: jax.config.update('jax_enable_x64', True)"
+        )
+
+
+def one_pass(backend: str, dtype: torch.dtype, mesh) -> bool:
+    """Whether the 'sum' / 'mean' loss runs in one pass (`cut_bce_weighted_sum`): the blocked loop on
+    one device. The Pallas kernels and the sharded path compute the rows, then the gradients."""
+    return mesh is None and resolve_impl(backend, dtype) == "blocked"
+
+
+def cut_bce_weighted_sum(hidden, item_weight, bias, class_weight, pos_weight, targets, row_weight, *,
+                         block_v, compute_metrics):
+    """`(sum_n row_weight[n] rows[n], counts [4 or 0, N])`, gradients computed in the forward.
+
+    `row_weight` `[N]` is the position weight over the reduction's divisor; it gets the rows as
+    its gradient. For the blocked loop on one device (`one_pass`).
+    """
+    _check_x64(hidden)
+    targets = _xla_targets(targets, item_weight.shape[0])
+    out = xla_weighted_sum(hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight, block_v,
+                           compute_metrics)
+    return out[0], out[1]
+
+
 def cut_bce_rows(
     hidden, item_weight, bias, class_weight, pos_weight, targets, *,
     block_v, compute_metrics, backend, mesh=None, vocab_axis="model", data_axis="data",
@@ -198,22 +298,14 @@ def cut_bce_rows(
     axis names, i.e. row-major logical ids), or None for one device.
     """
     impl = resolve_impl(backend, hidden.dtype)
-    if hidden.dtype == torch.float64 and not jax.config.jax_enable_x64:
-        raise TypeError(
-            "float64 tensors on XLA need JAX's 64-bit mode: jax.config.update('jax_enable_x64', True)"
-        )
+    _check_x64(hidden)
     mesh_args = ([], "", "", "")
     if mesh is not None:
         device_ids = np.asarray(mesh.device_ids).ravel()
         if not np.array_equal(device_ids, np.arange(device_ids.size)):
             raise ValueError(f"mesh.device_ids must be 0..n-1 in order, got {mesh.device_ids}")
         mesh_args = (list(mesh.mesh_shape), ",".join(mesh.axis_names), _join(vocab_axis), _join(data_axis))
-    # Item ids fit int32 (V < 2**31) and JAX without 64-bit mode reads int32. Ids outside [0, V)
-    # become -1 BEFORE the narrowing cast (an int64 -2**32 would otherwise wrap to item 0); on XLA
-    # they cannot be checked without a host sync, so they are ignored like padding (documented).
-    targets = targets.long()  # int8/uint8/int16 ids would compare with V wrapped to their range
-    valid = (targets >= 0) & (targets < item_weight.shape[0])
-    targets = torch.where(valid, targets, torch.full_like(targets, -1)).to(torch.int32)
+    targets = _xla_targets(targets, item_weight.shape[0])
     return xla_rows(
         hidden, item_weight, targets, bias, class_weight, pos_weight, block_v, compute_metrics, impl, *mesh_args
     )

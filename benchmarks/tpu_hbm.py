@@ -1,0 +1,488 @@
+"""HBM per TPU chip: CutBCE beside the dense loss a user would write, compiled for v5e and v6e (no TPU).
+
+Each cell compiles the loss part of a training step, `jax.value_and_grad` with respect to hidden
+and item_weight, of one of two losses over `[N, D]` positions, a `[V, D]` table and `[N, L]` ids:
+
+- `cutbce`: `jax_kernels.cut_bce(impl='pallas')`, reduction 'mean' (on a mesh: its `mesh=` option);
+- `dense`: `optax.sigmoid_binary_cross_entropy(h @ E.T, multi_hot).mean()` with the multi-hot built
+  by a scatter from the ids (`dense_bce` below: what a user writes, materializing `[N, V]`).
+
+with libtpu's compile-only client (`jax_kernels/tpu_compile.py`; nothing executes), and appends one
+CSV row per cell with XLA's memory analysis per chip: argument, output, temp, alias and code bytes,
+`peak_bytes` = argument + output + temp - alias (the HBM figure reported as "peak": `hbm_bytes`) and
+XLA's own `peak_memory_in_bytes` (`xla_peak_bytes`, which also counts VMEM). A program that does not
+fit is a result: the compiler's out-of-memory message is recorded (status `oom`, and
+`oom_needed_bytes`, the lower bound of the HBM it asks for, parsed from it). Every cell is a fresh
+subprocess with `.venv/libtpu-overlay` on PYTHONPATH and a timeout, as in `tpu_compile_matrix.py`.
+
+Cells: single chip (v5e, v6e; N 8192, D 64, L 8, V from 10^4 to 10^7), and the paper's shape on an
+8-chip v6e slice ("v6e:2x4"): 64 x 256 = 16,384 positions, L 8, V 876,939, in two layouts (`LAYOUTS`).
+Afterwards it writes `results/tpu_hbm.png` and `results/tpu_hbm.md` from the CSV's rows.
+
+    .venv/bin/python benchmarks/tpu_hbm.py                      # every cell: 23 min on 2 shared cores
+    .venv/bin/python benchmarks/tpu_hbm.py --losses cutbce      # only CutBCE's cells: 2 min
+    .venv/bin/python benchmarks/tpu_hbm.py --cells single --v 10000 --chips v5e --out /tmp/x.csv
+    .venv/bin/python benchmarks/tpu_hbm.py --report-only        # re-plot and re-tabulate the CSV
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+OVERLAY = ROOT / ".venv" / "libtpu-overlay"
+RESULTS = HERE / "results"
+
+LOSSES = ("cutbce", "dense")
+CHIPS = ("v5e", "v6e")
+HBM_GIB = {"v5e": 16, "v6e": 32}  # HBM per chip, the capacity line of the plot
+VS = (10_000, 100_000, 876_939, 1_000_000, 10_000_000)
+SINGLE = dict(n=8192, d=64, num_slots=8)
+# The paper's set-up: batch 64 x sequence length 256 positions, V 876,939 items, 8 v6e chips.
+# Its hidden size is not stated: 64 and 256 here (--mesh-d).
+PAPER = dict(chip="v6e", topology="v6e:2x4", n=64 * 256, v=876_939, num_slots=8, dtype="bfloat16")
+PAPER_GIB = dict(dense=22.37, cutbce=7.67)  # the paper's whole training step per chip, dense -> CutBCE
+# Layout -> (mesh shape over axes ("data", "model"), table spec, positions spec). CutBCE gets the same
+# split through `cut_bce(mesh=..., vocab_axis="model", data_axis="data")`; an axis of size 1 splits nothing.
+LAYOUTS = {
+    "single": ((1, 1), (None, None), (None, None)),
+    "replicated": ((8, 1), (None, None), ("data", None)),  # positions data-parallel, the table on every chip
+    "vocab": ((1, 8), ("model", None), (None, None)),  # the table split along V, positions on every chip
+}
+FIELDS = ("chip", "topology", "layout", "loss", "dtype", "N", "V", "table_rows", "D", "L", "status",
+          "error", "seconds", "peak_bytes", "xla_peak_bytes", "argument_bytes", "output_bytes", "temp_bytes",
+          "alias_bytes", "code_bytes", "oom_needed_bytes", "git_sha", "kernels_sha", "command")
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One compile: a loss on one chip or mesh layout at one shape."""
+
+    chip: str
+    topology: str
+    layout: str
+    loss: str
+    dtype: str
+    n: int
+    v: int
+    d: int
+    num_slots: int
+
+    @property
+    def table_rows(self) -> int:
+        """V padded to a multiple of the vocab shards: a table held sharded must divide evenly."""
+        shards = LAYOUTS[self.layout][0][1]
+        return -(-self.v // shards) * shards
+
+
+def dense_bce(hidden, item_weight, targets):
+    """The dense loss a user writes: `[N, V]` logits, a scatter-built `[N, V]` multi-hot, optax's BCE.
+
+    Args:
+        hidden: `[N, D]`. item_weight: `[V, D]`. targets: `[N, L]` ids, negative = padding.
+
+    Returns:
+        The mean over all N x V elements (float32), as `jax_kernels.cut_bce(reduction='mean')`.
+    """
+    import jax.numpy as jnp
+    import optax
+
+    n, v = hidden.shape[0], item_weight.shape[0]
+    # JAX indexing wraps negative ids (-1 -> the last item) before mode='drop' looks at them, so
+    # padding is sent past the end of the catalog, where 'drop' ignores it.
+    ids = jnp.where(targets >= 0, targets, v)
+    multi_hot = jnp.zeros((n, v)).at[jnp.arange(n)[:, None], ids].set(1, mode="drop")
+    return optax.sigmoid_binary_cross_entropy(hidden @ item_weight.T, multi_hot).mean()
+
+
+def training_step(cell: Cell, mesh):
+    """`(hidden, item_weight, targets) -> (loss, (d_hidden, d_item_weight))` for `cell`'s loss."""
+    import functools
+
+    import jax
+
+    import jax_kernels
+
+    if cell.loss == "dense":
+        loss = dense_bce
+    elif cell.layout == "single":
+        loss = functools.partial(jax_kernels.cut_bce, impl="pallas")
+    else:
+        loss = functools.partial(jax_kernels.cut_bce, impl="pallas", mesh=mesh, vocab_axis="model",
+                                 data_axis="data")
+        if cell.table_rows != cell.v:
+            # The padding rows after the catalog are inert (no loss, zero gradient, not in the mean).
+            loss = functools.partial(jax_kernels.cut_bce_sharded, impl="pallas", mesh=mesh,
+                                     vocab_axis="model", data_axis="data", num_items=cell.v)
+
+    def step(hidden, item_weight, targets):
+        return jax.value_and_grad(lambda h, w: loss(h, w, targets), argnums=(0, 1))(hidden, item_weight)
+
+    return step
+
+
+def input_structs(cell: Cell):
+    """Sharded `jax.ShapeDtypeStruct`s of hidden, item_weight and targets, and the mesh they live on.
+
+    `jax.jit` takes each input's sharding from its struct: the same as passing `in_shardings`.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh_shape, table_spec, positions_spec = LAYOUTS[cell.layout]
+    devices = topologies.get_topology_desc(topology_name=cell.topology, platform="tpu").devices
+    count = mesh_shape[0] * mesh_shape[1]
+    mesh = Mesh(np.array(devices[:count]).reshape(mesh_shape), ("data", "model"))
+    dtype = jnp.dtype(cell.dtype)
+
+    def struct(shape, dt, spec):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, P(*spec)))
+
+    return mesh, (struct((cell.n, cell.d), dtype, positions_spec),
+                  struct((cell.table_rows, cell.d), dtype, table_spec),
+                  struct((cell.n, cell.num_slots), jnp.int32, positions_spec))
+
+
+def oom_needed_bytes(message: str) -> int | None:
+    """A lower bound of the HBM a program that did not fit asks for, from the compiler's message.
+
+    Two forms seen: "Ran out of memory in memory space hbm. Used 45.78G of 15.75G hbm" (the program's
+    temp allocation; the message adds "Total hbm usage >= ..."), and, when one buffer alone exceeds
+    the chip, "Allocation (size=327680000000) would exceed memory (size=17179869184)" (that buffer).
+    """
+    used = re.search(r"Used ([0-9.]+)([KMGT]) of [0-9.]+[KMGT] hbm", message)
+    if used is not None:
+        return round(float(used.group(1)) * 1024 ** (1 + "KMGT".index(used.group(2))))
+    allocation = re.search(r"Allocation \(size=([0-9]+)\) would exceed memory", message)
+    return int(allocation.group(1)) if allocation is not None else None
+
+
+def hbm_bytes(stats) -> int:
+    """HBM the compiled program holds per chip: its arguments, outputs and temporaries, less donations.
+
+    This is what the TPU compiler checks against the chip's capacity: its out-of-memory message adds
+    the same temp allocation (fragmentation included) to the arguments. Not `peak_memory_in_bytes`,
+    which is the most bytes live at once, without fragmentation but with the buffers XLA placed in
+    VMEM (v5e, CutBCE at V 10^4: 18.8 MB, against 4.9 MB of HBM arguments and outputs and no HBM
+    temp; v6e x 8, dense: 11.0 GB against 14.6 GB); it is recorded beside it as `xla_peak_bytes`.
+    """
+    return (stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+            - stats.alias_size_in_bytes)
+
+
+def kernels_sha() -> str:
+    """The first 12 hex digits of a sha256 over the `jax_kernels/*.py` sources this process compiles:
+    names the kernels' version when the working tree differs from the commit in `git_sha`."""
+    import jax_kernels
+
+    digest = hashlib.sha256()
+    for source in sorted(Path(jax_kernels.__file__).parent.glob("*.py")):
+        digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def compile_cell(cell: Cell) -> dict:
+    """Child side: lower and compile one cell for its TPU topology; never raises for a failed compile.
+
+    Returns:
+        `status` ('ok', 'oom' or 'error'), `error` text, `seconds`, and for 'ok' the per-chip byte
+        counts of `compiled.memory_analysis()` (an SPMD program's analysis is per device).
+    """
+    import jax
+
+    from jax_kernels import tpu_compile
+
+    tpu_compile.pin_mosaic_version()
+    kernels = dict(kernels_sha=kernels_sha())
+    start = time.perf_counter()
+    try:
+        mesh, structs = input_structs(cell)
+        stats = jax.jit(training_step(cell, mesh)).lower(*structs).compile().memory_analysis()
+    except Exception as e:  # noqa: BLE001: a program that does not compile is a result to record
+        text = " ".join(f"{type(e).__name__}: {e}".split())  # one line: the CSV stays greppable
+        oom = "RESOURCE_EXHAUSTED" in text and oom_needed_bytes(text) is not None
+        return dict(kernels, status="oom" if oom else "error", error=text[:2000], seconds=time.perf_counter() - start,
+                    oom_needed_bytes=oom_needed_bytes(text) if oom else None)
+    return dict(kernels, status="ok", error="", seconds=time.perf_counter() - start,
+                peak_bytes=hbm_bytes(stats), xla_peak_bytes=stats.peak_memory_in_bytes,
+                argument_bytes=stats.argument_size_in_bytes,
+                output_bytes=stats.output_size_in_bytes, temp_bytes=stats.temp_size_in_bytes,
+                alias_bytes=stats.alias_size_in_bytes, code_bytes=stats.generated_code_size_in_bytes)
+
+
+def compile_env() -> dict:
+    """The child's environment: libtpu on the path (only there), and no libtpu lockfile check."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(OVERLAY), str(ROOT)]),
+               ALLOW_MULTIPLE_LIBTPU_LOAD="1")  # compile-only: no chip for the lockfile to guard
+    env.pop("JAX_PLATFORMS", None)
+    return env
+
+
+def run_cell(cell: Cell, timeout_s: float) -> dict:
+    """Parent side: compile `cell` in a fresh subprocess; a CSV row (without git_sha and command)."""
+    row = dict(chip=cell.chip, topology=cell.topology, layout=cell.layout, loss=cell.loss, dtype=cell.dtype,
+               N=cell.n, V=cell.v, table_rows=cell.table_rows, D=cell.d, L=cell.num_slots)
+    cmd = [sys.executable, __file__, "--one", json.dumps(dataclasses.asdict(cell))]
+    try:
+        proc = subprocess.run(cmd, env=compile_env(), capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return dict(row, status="timeout", error=f"no result within {timeout_s} s", seconds=timeout_s)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if not lines:
+        return dict(row, status="error", error=f"exit {proc.returncode}: {proc.stderr[-1000:]}")
+    result = json.loads(lines[-1][len("RESULT "):])
+    return dict(row, **dict(result, seconds=round(result["seconds"], 2)))
+
+
+def cells(args) -> list[Cell]:
+    """The selected cells, single chip (smallest V first) then the 8-chip paper shape."""
+    out = []
+    if "single" in args.cells:
+        from jax_kernels.tpu_compile import TOPOLOGIES
+
+        out += [Cell(chip, TOPOLOGIES[chip], "single", loss, dtype, SINGLE["n"], v, SINGLE["d"], SINGLE["num_slots"])
+                for dtype in args.dtypes for v in sorted(args.v) for chip in args.chips for loss in args.losses]
+    if "mesh" in args.cells:
+        p = PAPER
+        out += [Cell(p["chip"], p["topology"], layout, loss, p["dtype"], p["n"], p["v"], d, p["num_slots"])
+                for d in args.mesh_d for layout in ("replicated", "vocab") for loss in args.losses]
+    return out
+
+
+def latest_rows(csv_path: Path) -> list[dict]:
+    """The CSV's rows, the last one of each cell (a rerun replaces an earlier row)."""
+    with open(csv_path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    key = lambda r: tuple(r[k] for k in ("chip", "topology", "layout", "loss", "dtype", "N", "V", "D", "L"))
+    return list({key(r): r for r in rows}.values())
+
+
+def _gib(row, field="peak_bytes") -> float | None:
+    return int(row[field]) / 2**30 if row.get(field) else None
+
+
+def _fmt(row) -> str:
+    """A cell of the markdown table: the peak, or why there is none."""
+    if row is None:
+        return "not run"
+    if row["status"] == "ok":
+        gib = _gib(row)
+        return f"{gib * 1024:.1f} MiB" if gib < 1 else f"{gib:.2f} GiB"
+    if row["status"] == "oom":
+        needed = _gib(row, "oom_needed_bytes")
+        return f"does not fit (>= {needed:.2f} GiB)" if needed else "does not fit"
+    return row["status"]
+
+
+def _ratio(cut, dense) -> str:
+    """dense / CutBCE peak; '>= x' when dense did not fit (the compiler's figure is a lower bound)."""
+    if cut is None or cut["status"] != "ok" or dense is None:
+        return ""
+    if dense["status"] == "ok":
+        return f"{_gib(dense) / _gib(cut):,.0f}x"
+    needed = _gib(dense, "oom_needed_bytes")
+    return f">= {needed / _gib(cut):,.0f}x" if needed else ""
+
+
+def markdown(rows: list[dict], command: str) -> str:
+    """The README-ready tables: single chip by V, and the 8-chip paper shape beside the paper."""
+    find = {(r["layout"], r["chip"], r["dtype"], r["V"], r["D"], r["loss"]): r for r in rows}
+    runs = {}
+    for r in rows:
+        kernels = r.get("kernels_sha", "") if r["loss"] == "cutbce" else ""
+        runs.setdefault((r["command"], r["git_sha"], kernels), []).append(r["loss"])
+    out = [
+        "# HBM per TPU chip: CutBCE beside the dense loss (compile-only, libtpu 0.0.20)",
+        "",
+        f"Tables written by `{command}` from the rows of the CSV beside this file, made by:",
+        "",
+        *(f"- `{c}` (git {sha}" + (f", `jax_kernels/*.py` sha256 {k}...): " if "cutbce" in losses else "): ")
+          + ", ".join(f"{losses.count(loss)} {loss} rows" for loss in LOSSES if loss in losses)
+          for (c, sha, k), losses in sorted(runs.items())),
+        "",
+        "(the kernels' version is named for the CutBCE rows only: the dense loss does not use them)",
+        "",
+        "Each figure is the HBM per chip (argument + output + temp - alias bytes of XLA's memory",
+        "analysis) of the compiled loss part of a training step: `jax.value_and_grad` of the loss with",
+        "respect to hidden and item_weight (inputs, gradients and the loss's temporaries; no model, no",
+        "optimizer). CutBCE: `jax_kernels.cut_bce(impl='pallas')`. Dense:",
+        "`optax.sigmoid_binary_cross_entropy(h @ E.T, multi_hot).mean()`, the multi-hot scattered from",
+        "the ids (`benchmarks/tpu_hbm.py: dense_bce`). \"Does not fit (>= x)\": the TPU compiler refused",
+        "the program (out of HBM); x is the lower bound its message gives (the program's temp allocation,",
+        "or the one buffer larger than the chip). Nothing ran: each program was compiled for the chip",
+        "with libtpu's compile-only client, no chip present.",
+        "",
+        f"## One chip: N {SINGLE['n']:,}, D {SINGLE['d']}, L {SINGLE['num_slots']} (v5e: 16 GiB HBM, v6e: 32 GiB)",
+        "",
+        "| V | chip | dtype | CutBCE peak | dense peak | dense / CutBCE |",
+        "|---:|---|---|---:|---:|---:|",
+    ]
+    singles = sorted({(int(r["V"]), r["chip"], r["dtype"], r["D"]) for r in rows if r["layout"] == "single"})
+    for v, chip, dtype, d in singles:
+        cut, dense = (find.get(("single", chip, dtype, str(v), d, loss)) for loss in LOSSES)
+        out.append(f"| {v:,} | {chip} | {dtype} | {_fmt(cut)} | {_fmt(dense)} | {_ratio(cut, dense)} |")
+    cut_temps = [int(r["temp_bytes"]) for r in rows if r["loss"] == "cutbce" and r["status"] == "ok"]
+    if cut_temps:
+        # What CutBCE needs beyond its inputs and its gradients, whose sizes any training step pays.
+        out += ["", f"CutBCE's HBM temp (beyond its inputs and gradients): at most {max(cut_temps) / 2**20:.1f} MiB "
+                f"over its {len(cut_temps)} rows (single chip and 8 chips)."]
+    p = PAPER
+    out += [
+        "",
+        f"## The paper's shape on 8 v6e chips: {p['n']:,} positions (64 x 256), V {p['v']:,}, L {p['num_slots']}, "
+        f"{p['dtype']}, per chip",
+        "",
+        "`replicated`: positions split over the 8 chips (2,048 each), the table whole on every chip.",
+        "`vocab`: the table split along V over the 8 chips (876,944 rows, the last 5 padding: CutBCE ignores",
+        "them, the dense loss counts them as items), every position on every chip. The paper does not state",
+        "D. The paper's figures are its whole training step per chip (model, Adam state, activations and",
+        "the loss); ours are the loss part only, so only the difference dense - CutBCE is comparable.",
+        "",
+        "| layout | D | CutBCE peak | dense peak | dense / CutBCE | dense - CutBCE "
+        "| paper (whole step): dense -> CutBCE |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    meshes = sorted({(r["layout"], int(r["D"])) for r in rows if r["layout"] != "single"})
+    for layout, d in meshes:
+        cut, dense = (find.get((layout, p["chip"], p["dtype"], str(p["v"]), str(d), loss)) for loss in LOSSES)
+        diff = (f"{_gib(dense) - _gib(cut):.2f} GiB" if cut and dense and cut["status"] == dense["status"] == "ok"
+                else "")
+        out.append(f"| {layout} | {d} | {_fmt(cut)} | {_fmt(dense)} | {_ratio(cut, dense)} | {diff} | "
+                   f"{PAPER_GIB['dense']} -> {PAPER_GIB['cutbce']} GiB "
+                   f"(- {PAPER_GIB['dense'] - PAPER_GIB['cutbce']:.2f} GiB) |")
+    failed = [r for r in rows if r["status"] not in ("ok", "oom")]
+    if failed:
+        out += ["", "Cells that failed for another reason:", ""]
+        out += [f"- {r['layout']} {r['chip']} {r['loss']} {r['dtype']} V {r['V']} D {r['D']}: {r['status']} "
+                f"{r['error'][:300]}" for r in failed]
+    return "\n".join(out) + "\n"
+
+
+def plot(rows: list[dict], png: Path) -> None:
+    """Left: peak HBM per chip against V, one line per loss x chip (x dtype), capacities as lines,
+    cells that did not fit as markers on their chip's capacity line. Right: the 8-chip paper shape."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax_mesh) = plt.subplots(1, 2, figsize=(13, 5.5), gridspec_kw=dict(width_ratios=(3, 2)))
+    colors = {("cutbce", "v5e"): "tab:blue", ("cutbce", "v6e"): "tab:cyan",
+              ("dense", "v5e"): "tab:red", ("dense", "v6e"): "tab:orange"}
+    single = [r for r in rows if r["layout"] == "single"]
+    # v5e and v6e often need the same bytes: a thick line under a thin one keeps both visible.
+    chip_style = {"v5e": dict(marker="o", linewidth=4, markersize=9),
+                  "v6e": dict(marker="s", linewidth=1.5, markersize=4)}
+    for (loss, chip), color in colors.items():
+        for dtype, style in (("bfloat16", "-"), ("float32", "--")):
+            mine = sorted((int(r["V"]), r) for r in single if (r["loss"], r["chip"], r["dtype"]) == (loss, chip, dtype))
+            ok = [(v, _gib(r)) for v, r in mine if r["status"] == "ok"]
+            if ok:
+                ax.plot(*zip(*ok), style, color=color, label=f"{loss} {chip} {dtype}", **chip_style[chip])
+            bad = [v for v, r in mine if r["status"] != "ok"]
+            if bad:
+                ax.plot(bad, [HBM_GIB[chip]] * len(bad), "X", color=color, markersize=13, markeredgecolor="k")
+    ax.plot([], [], "X", color="white", markeredgecolor="k", markersize=13,
+            label="did not fit (compiler: out of HBM),\ndrawn at the chip's capacity in the line's colour")
+    for chip, gib in HBM_GIB.items():
+        ax.axhline(gib, color="gray", linestyle=":" if chip == "v5e" else "-.", linewidth=1)
+        ax.annotate(f"{chip} HBM {gib} GiB", (0.01, gib), xycoords=("axes fraction", "data"), ha="left",
+                    va="bottom", fontsize=8, color="gray")
+    ax.set(xscale="log", yscale="log", xlabel="V (items in the catalog)", ylabel="peak HBM per chip (GiB)",
+           title=f"One chip, loss + gradients: N {SINGLE['n']}, D {SINGLE['d']}, L {SINGLE['num_slots']}")
+    ax.legend(fontsize=7, loc="lower right")
+    ax.grid(True, which="major", alpha=0.3)
+
+    mesh = sorted((r for r in rows if r["layout"] != "single"), key=lambda r: (r["layout"], int(r["D"]), r["loss"]))
+    labels = [f"{r['layout']}\nD {r['D']}\n{r['loss']}" for r in mesh]
+    heights = [_gib(r) if r["status"] == "ok" else HBM_GIB[PAPER["chip"]] for r in mesh]
+    bar_colors = [colors[(r["loss"], PAPER["chip"])] for r in mesh]
+    bars = ax_mesh.bar(range(len(mesh)), heights, color=bar_colors)
+    for bar, r in zip(bars, mesh):
+        if r["status"] != "ok":
+            bar.set_hatch("xx")
+            bar.set_alpha(0.4)
+        ax_mesh.annotate("did not fit" if r["status"] != "ok" else f"{_gib(r):.3g}",
+                         (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
+    ax_mesh.axhline(HBM_GIB[PAPER["chip"]], color="gray", linestyle="-.", linewidth=1, label="v6e HBM 32 GiB")
+    for loss, style in (("dense", "--"), ("cutbce", ":")):
+        ax_mesh.axhline(PAPER_GIB[loss], color=colors[(loss, PAPER["chip"])], linestyle=style,
+                        label=f"paper, whole training step, {loss}: {PAPER_GIB[loss]} GiB")
+    ax_mesh.set_xticks(range(len(mesh)), labels, fontsize=7)
+    ax_mesh.set(yscale="log", ylim=(None, 150), xlabel="table layout, hidden size D, loss",
+                ylabel="peak HBM per chip (GiB)",
+                title=f"8 x v6e, {PAPER['n']:,} positions, V {PAPER['v']:,}, {PAPER['dtype']}")
+    ax_mesh.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+def write_reports(csv_path: Path, png: Path, md: Path, command: str) -> None:
+    rows = latest_rows(csv_path)
+    plot(rows, png)
+    md.write_text(markdown(rows, command))
+    print(md.read_text())
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--cells", nargs="+", default=("single", "mesh"), choices=("single", "mesh"))
+    p.add_argument("--losses", nargs="+", default=LOSSES, choices=LOSSES)
+    p.add_argument("--chips", nargs="+", default=CHIPS, choices=CHIPS)
+    p.add_argument("--dtypes", nargs="+", default=("bfloat16", "float32"), choices=("bfloat16", "float32"),
+                   help="single-chip dtypes (the paper's shape is bfloat16)")
+    p.add_argument("--v", nargs="+", type=int, default=VS, help="single-chip catalog sizes")
+    p.add_argument("--mesh-d", nargs="+", type=int, default=(64, 256), help="hidden sizes at the paper's shape")
+    p.add_argument("--timeout-s", type=float, default=300.0, help="per compile")
+    p.add_argument("--out", type=Path, default=RESULTS / "tpu_hbm.csv", help="CSV, appended to")
+    p.add_argument("--report-only", action="store_true", help="only re-plot and re-tabulate --out")
+    p.add_argument("--one", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.one:
+        result = compile_cell(Cell(**json.loads(args.one)))
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+    command = shlex.join([".venv/bin/python", "benchmarks/tpu_hbm.py", *sys.argv[1:]])
+    png, md = args.out.with_suffix(".png"), args.out.with_suffix(".md")
+    if args.report_only:
+        return write_reports(args.out, png, md, command)
+    if not (OVERLAY / "libtpu").is_dir():
+        sys.exit(f"{OVERLAY} is missing: run ci/setup.sh")
+    from tpu_compile_matrix import git_sha
+
+    sha = git_sha()
+    new = not args.out.exists()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "a", newline="") as f:
+        writer = csv.DictWriter(f, FIELDS, restval="")
+        if new:
+            writer.writeheader()
+        for cell in cells(args):
+            row = dict(run_cell(cell, args.timeout_s), git_sha=sha, command=command)
+            writer.writerow(row)
+            f.flush()
+            peak = f"peak {_gib(row):.3f} GiB" if row.get("peak_bytes") else ""
+            print(f"{cell.layout} {cell.chip} {cell.loss} {cell.dtype} V {cell.v} D {cell.d}: {row['status']} "
+                  f"{row.get('seconds', '')} s {peak} {row.get('error', '')[:150]}", flush=True)
+    write_reports(args.out, png, md, command)
+
+
+if __name__ == "__main__":
+    main()
