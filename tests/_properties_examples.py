@@ -180,7 +180,7 @@ def _weights(rng, kind, size, positive_range):
 MUTATIONS = (
     "id_at_V", "id_far_above", "hidden_rank0", "item_weight_rank1", "item_weight_rank3", "no_items",
     "targets_missing_L", "targets_lead_mismatch", "D_mismatch", "float_targets", "bool_targets",
-    "int_hidden", "int_item_weight", "mixed_dtypes", "int_weight", "int_bias", "int_class_weight",
+    "int_hidden", "int_item_weight", "int_weight", "int_bias", "int_class_weight",
     "int_pos_weight", "bad_weight_shape", "bad_bias_shape", "bad_class_weight_shape", "bad_pos_weight_shape",
     "block_v_zero", "block_v_negative", "block_v_true", "block_v_false", "block_v_float",
     "unknown_reduction", "list_item_weight",
@@ -209,7 +209,6 @@ def mutate(inputs: dict, options: dict, mutation: str, spec: Spec, num_items: in
         options[key] = value
         return inputs, options, (key,)
     h, e, t = inputs["hidden"], inputs["item_weight"], inputs["targets"]
-    other_float = "bfloat16" if spec.dtype == "float32" else "float32"
     table = {
         "hidden_rank0": ("hidden", np.asarray(0.5)),
         "item_weight_rank1": ("item_weight", e[:, 0] if e.shape[1] else np.zeros(e.shape[0])),
@@ -222,7 +221,6 @@ def mutate(inputs: dict, options: dict, mutation: str, spec: Spec, num_items: in
         "bool_targets": ("targets", AsDtype(t >= 0, "bool")),
         "int_hidden": ("hidden", AsDtype(h, "int32")),
         "int_item_weight": ("item_weight", AsDtype(e, "int32")),
-        "mixed_dtypes": ("item_weight", AsDtype(e, other_float)),
         "list_item_weight": ("item_weight", AsList(e.tolist())),
     }
     for opt in OPTIONS:
@@ -233,7 +231,7 @@ def mutate(inputs: dict, options: dict, mutation: str, spec: Spec, num_items: in
         table[f"bad_{opt}_shape"] = (opt, wrong)
     name, value = table[mutation]
     inputs[name] = value
-    names = ("hidden", "item_weight") if mutation in ("D_mismatch", "mixed_dtypes") else (name,)
+    names = ("hidden", "item_weight") if mutation == "D_mismatch" else (name,)
     return inputs, options, names
 
 

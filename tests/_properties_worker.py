@@ -8,7 +8,7 @@ its stdout (fd 1 itself is pointed at stderr, so nothing a library prints can co
 - `python _properties_worker.py jax-mesh`: JAX on 4 simulated CPU devices (XLA_FLAGS is set before
   jax is imported, which is why this is a separate process); runs `jax_kernels.cut_bce(mesh=...)`.
 - `python _properties_worker.py vocab-parallel RANK INIT_FILE`: one of 2 gloo ranks running
-  `torch_cutbce.vocab_parallel.vocab_parallel_cut_bce` on its slice of the table. The client sends
+  `cut_bce_with_logits(..., vocab_parallel=options)` on its slice of the table. The client sends
   every example to both ranks and joins their replies (a 60 s gloo timeout turns a hang into an error).
 
 Requests are `(mode, spec, params)`: mode 'A' (the example as built), 'B' (with `params['mutation']`),
@@ -90,7 +90,8 @@ def _jax_mesh_request(mode, spec, params):
 def _vocab_parallel_request(rank, mode, spec, params):
     from _properties_examples import build, mutate
     from _properties_runners import torch_results
-    from torch_cutbce.vocab_parallel import VocabParallelOptions, vocab_parallel_cut_bce
+    from torch_cutbce import cut_bce_with_logits
+    from torch_cutbce.vocab_parallel import VocabParallelOptions
 
     example = build(spec)
     split = params["split"]
@@ -103,7 +104,7 @@ def _vocab_parallel_request(rank, mode, spec, params):
     vp_options = VocabParallelOptions(start, stop, spec.num_items)
 
     def fn(*args, **kwargs):
-        return vocab_parallel_cut_bce(*args, options=vp_options, **kwargs)
+        return cut_bce_with_logits(*args, vocab_parallel=vp_options, **kwargs)
 
     return torch_results(example, fn, inputs=inputs, options=options)
 

@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 import torch_cutbce as tc
 from parity import TOLERANCES, assert_close
-from torch_cutbce.vocab_parallel import VocabParallelOptions, vocab_parallel_cut_bce
+from torch_cutbce.vocab_parallel import VocabParallelOptions
 
 TESTS = Path(__file__).resolve().parent
 TOL = TOLERANCES["float32"]
@@ -153,7 +153,7 @@ def _rank_main(rank, init_file, out_dir):
     try:
         torch.set_num_threads(1)
         options = VocabParallelOptions.even(V)
-        loss_fn = lambda *a, **k: vocab_parallel_cut_bce(*a, options=options, **k)
+        loss_fn = lambda *a, **k: tc.cut_bce_with_logits(*a, vocab_parallel=options, **k)
         result = _loss_and_grads(loss_fn, _inputs(), slice(options.start, options.stop))
         torch.save({"options": (options.start, options.stop), "result": result}, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
@@ -199,5 +199,5 @@ def test_options_are_validated():
         VocabParallelOptions(5, 5, 10)
     inputs = _inputs()
     with pytest.raises(ValueError, match="item_weight holds 301 rows"):
-        vocab_parallel_cut_bce(inputs["hidden"], inputs["item_weight"], inputs["targets"],
-                               options=VocabParallelOptions(0, 100, V))
+        tc.cut_bce_with_logits(inputs["hidden"], inputs["item_weight"], inputs["targets"],
+                               vocab_parallel=VocabParallelOptions(0, 100, V))

@@ -4,91 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from jax_kernels.shapes import ArraySpec, check_arguments, default_block_v, reduction_divisor
-from torch_cutbce import ops
+from jax_kernels.shapes import default_block_v, reduction_divisor
+from torch_cutbce import arguments, ops
+from torch_cutbce.arguments import BACKENDS  # noqa: F401  (re-exported by torch_cutbce)
 from torch_cutbce.metrics import CutBCEMetrics
+from torch_cutbce.reduction import reduce_rows
 from torch_cutbce.reference import dense_bce_with_logits
-
-BACKENDS = ("auto", "native", "dense", "xla", "xla_blocked", "xla_pallas")
-
-
-def _spec(x: torch.Tensor | None, name: str = "argument") -> ArraySpec | None:
-    if x is None:
-        return None
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__} (convert it with torch.as_tensor)")
-    return ArraySpec(tuple(x.shape), str(x.dtype).removeprefix("torch."))
-
-
-def _check(hidden, item_weight, targets, bias, weight, class_weight, pos_weight, *, reduction, block_v):
-    """`check_arguments` on the torch tensors, each named in its error."""
-    tensors = dict(hidden=hidden, item_weight=item_weight, targets=targets, bias=bias, weight=weight,
-                   class_weight=class_weight, pos_weight=pos_weight)
-    specs = {name: _spec(t, name) for name, t in tensors.items()}
-    return check_arguments(**specs, reduction=reduction, block_v=block_v)
-
-
-def check_backend(backend) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-
-
-def _resolve_backend(backend: str, hidden: torch.Tensor) -> str:
-    check_backend(backend)
-    if backend == "auto":
-        return "xla" if hidden.device.type == "xla" else "native"
-    return backend
-
-
-def _check_devices(tensors: dict[str, torch.Tensor | None], backend: str) -> None:
-    device = tensors["hidden"].device
-    for name, t in tensors.items():
-        if t is not None and t.device != device:
-            raise ValueError(
-                f"{name} is on {t.device} but hidden is on {device}: all tensors must be on one device "
-                f"(move them with .to(hidden.device))"
-            )
-    on_xla = device.type == "xla"
-    if backend.startswith("xla") and not on_xla:
-        raise ValueError(f"backend={backend!r} needs tensors on an XLA device (torch_xla), got {device}")
-    if backend == "native" and on_xla:
-        raise ValueError("backend='native' runs on CPU/CUDA tensors; XLA tensors use backend='auto' or 'xla'")
-
-
-def _check_constant(name: str, t: torch.Tensor | None) -> None:
-    if t is not None and t.requires_grad:
-        raise ValueError(
-            f"{name} requires grad, but CutBCE treats {name} as a constant (no gradient is computed); "
-            f"pass {name}.detach()"
-        )
-
-
-def _check_ids_below_vocab(targets: torch.Tensor, num_items: int) -> None:
-    """ids >= V: raise on CPU; a non-blocking device assert on CUDA; on XLA they are ignored like padding.
-
-    The native engine checks inside its op (`ops.check_ids_below`), where no host sync is needed
-    and torch.compile sees no data-dependent read; this is for the dense reference.
-    """
-    if targets.device.type in ("cpu", "cuda"):
-        ops.check_ids_below(targets, num_items)
-
-
-def _matmul_dtype_inputs(hidden, item_weight, bias):
-    """hidden, item_weight and bias as the logits' matmul sees them: a linear layer's rule.
-
-    Under `torch.autocast` the floating inputs (not float64) are cast to the autocast dtype, as
-    `F.linear` would; otherwise hidden and item_weight are promoted to a common dtype (torch's type
-    promotion; bias is cast to the compute dtype by every engine). The casts are differentiable:
-    each input's gradient comes back in its own dtype.
-    """
-    device_type = hidden.device.type
-    if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        cast = lambda x: x if x is None or x.dtype == torch.float64 else x.to(dtype)  # noqa: E731
-        return cast(hidden), cast(item_weight), cast(bias)
-    common = torch.promote_types(hidden.dtype, item_weight.dtype)
-    return hidden.to(common), item_weight.to(common), bias
-
+from torch_cutbce.vocab_parallel import VocabParallelOptions, vocab_parallel_rows
 
 def _padded_positions_dropped(hidden, targets, weight, num_items):
     """Indices of the positions to compute, or None for all of them.
@@ -150,6 +72,7 @@ def cut_bce_with_logits(
     mesh=None,
     vocab_axis: str | tuple[str, ...] | None = "model",
     data_axis: str | tuple[str, ...] | None = "data",
+    vocab_parallel: VocabParallelOptions | None = None,
 ):
     """`BCEWithLogitsLoss(hidden @ item_weight.T + bias, multi_hot(targets))` without building the logits.
 
@@ -184,31 +107,38 @@ def cut_bce_with_logits(
       mesh: a `torch_xla.distributed.spmd.Mesh` (device ids 0..n-1 in order) to run sharded under
         torch_xla SPMD: each device loops over its slice of the item table (split along V on
         `vocab_axis`) and its positions (split on `data_axis`); mark the tensors with
-        `xs.mark_sharding` to match. For CPU/CUDA tensors see `torch_cutbce.vocab_parallel`.
+        `xs.mark_sharding` to match.
+      vocab_parallel: a `VocabParallelOptions` to split the item table over the ranks of a
+        torch.distributed group (CPU/CUDA tensors, the native backend): `item_weight`, `bias`,
+        `class_weight` and `pos_weight` are this rank's slices, `hidden`, `targets` and `weight` the
+        same on every rank, and every rank gets the same loss and `d_hidden` ('mean' divides by
+        N x the global V). See `torch_cutbce.vocab_parallel`.
 
     Returns:
       The loss (float32, also for float16 / bfloat16 inputs; float64 for float64 inputs), or
       `(loss, CutBCEMetrics)`. Gradients come back in each input's dtype. The native backend's
       gradients are not differentiable again (double backward raises a RuntimeError).
     """
-    size = _check(hidden, item_weight, targets, bias, weight, class_weight, pos_weight,
-                  reduction=reduction, block_v=block_v)
-    backend = _resolve_backend(backend, hidden)
+    size = arguments.check(hidden, item_weight, targets, bias, weight, class_weight, pos_weight,
+                              reduction=reduction, block_v=block_v)
+    backend = arguments.resolve_backend(backend, hidden)
     if mesh is not None and not backend.startswith("xla"):
         raise ValueError(
             f"mesh= runs under torch_xla SPMD and needs XLA tensors, got backend={backend!r}; "
-            f"for CPU/CUDA tensors split over processes use torch_cutbce.vocab_parallel"
+            f"for CPU/CUDA tensors split over processes use vocab_parallel="
         )
-    _check_devices(
+    if vocab_parallel is not None and backend != "native":
+        raise ValueError(f"vocab_parallel= runs the native engine on CPU/CUDA tensors, got backend={backend!r}")
+    arguments.check_devices(
         dict(hidden=hidden, item_weight=item_weight, targets=targets, bias=bias, weight=weight,
              class_weight=class_weight, pos_weight=pos_weight),
         backend,
     )
-    _check_constant("class_weight", class_weight)
-    _check_constant("pos_weight", pos_weight)
-    hidden, item_weight, bias = _matmul_dtype_inputs(hidden, item_weight, bias)
+    arguments.check_constant("class_weight", class_weight)
+    arguments.check_constant("pos_weight", pos_weight)
+    hidden, item_weight, bias = arguments.matmul_dtype_inputs(hidden, item_weight, bias)
     if backend == "dense":
-        _check_ids_below_vocab(targets, size.num_items)
+        arguments.check_ids_below_vocab(targets, size.num_items)
         return dense_bce_with_logits(
             hidden, item_weight, targets, bias, weight=weight, class_weight=class_weight,
             pos_weight=pos_weight, reduction=reduction, return_metrics=return_metrics,
@@ -216,6 +146,12 @@ def cut_bce_with_logits(
     n = size.num_positions
     flat = (hidden.reshape(n, size.hidden_size), item_weight, bias, class_weight, pos_weight,
             targets.reshape(n, size.num_slots))
+    if vocab_parallel is not None:
+        rows, counts = vocab_parallel_rows(
+            *flat, options=vocab_parallel, compute_metrics=return_metrics,
+            block_v=min(size.block_v or default_block_v(n, size.num_items), size.num_items))
+        return reduce_rows(rows, counts, weight, reduction, size.lead_shape, vocab_parallel.num_items,
+                           return_metrics)
     if backend == "native":
         out, counts = _native(flat, weight, reduction=reduction, n=n, num_items=size.num_items,
                               block_v=size.block_v, return_metrics=return_metrics)
@@ -250,26 +186,4 @@ def _xla_one_pass(flat, weight, *, reduction, n, num_items, block_v, return_metr
         return loss
     if weight is not None:
         counts = counts * weight.detach().reshape(1, n).to(counts.dtype)
-    return loss, CutBCEMetrics(*counts.sum(-1))
-
-
-def reduce_rows(rows, counts, weight, reduction, lead_shape, num_items, return_metrics):
-    """Per-position rows `[N]` and counts `[4, N]` -> the loss (and `CutBCEMetrics`) of a reduction.
-
-    The position weight multiplies here, in plain torch, so autograd gives `weight` its gradient.
-    """
-    n = rows.shape[0]
-    if weight is not None:
-        rows = rows * weight.reshape(n).to(rows.dtype)
-        counts = counts * weight.detach().reshape(1, n).to(counts.dtype)
-    if reduction == "none":
-        loss = rows.reshape(lead_shape)
-    elif reduction == "sum":
-        loss = rows.sum()
-    else:
-        loss = rows.sum() / reduction_divisor(reduction, n, num_items)
-    if not return_metrics:
-        return loss
-    if reduction == "none":
-        return loss, CutBCEMetrics(*counts).reshape(lead_shape)
     return loss, CutBCEMetrics(*counts.sum(-1))

@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from jax_kernels.shapes import check_block_v, check_reduction
-from torch_cutbce.functional import check_backend, cut_bce_with_logits
+from torch_cutbce.arguments import check_backend
+from torch_cutbce.functional import cut_bce_with_logits
 
 
 class CutBCEWithLogitsLoss(nn.Module):

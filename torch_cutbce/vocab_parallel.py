@@ -1,7 +1,7 @@
 """Vocabulary-parallel CutBCE over torch.distributed: each rank holds the item rows `[start, stop)`.
 
 For CPU/CUDA tensors and any backend (gloo, NCCL), in the manner of Apple CCE's
-`VocabParallelOptions`. Every rank of the group holds the same hidden states and the same global
+`VocabParallelOptions`: `cut_bce_with_logits(..., vocab_parallel=options)`. Every rank of the group holds the same hidden states and the same global
 target ids, and its own slice of the item table (and of bias / class_weight / pos_weight). The loss
 is a sum over items, so each rank runs the native engine (`ops.rows`) on its
 slice, keeping only the ids in `[start, stop)` as its positives (`positives.positive_ids` with an
@@ -24,9 +24,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from jax_kernels.shapes import default_block_v
 from torch_cutbce import ops
-from torch_cutbce.functional import _check, _check_constant, reduce_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,54 +85,22 @@ class _SumOverRanks(torch.autograd.Function):
         return grad, None
 
 
-def vocab_parallel_cut_bce(
-    hidden: torch.Tensor,
-    item_weight: torch.Tensor,
-    targets: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    options: VocabParallelOptions,
-    weight: torch.Tensor | None = None,
-    class_weight: torch.Tensor | None = None,
-    pos_weight: torch.Tensor | None = None,
-    reduction: str = "mean",
-    return_metrics: bool = False,
-    block_v: int | None = None,
-):
-    """`cut_bce_with_logits` with the item table split over the ranks of `options.group`.
+def vocab_parallel_rows(hidden, item_weight, bias, class_weight, pos_weight, targets, *, options: VocabParallelOptions,
+                        block_v: int, compute_metrics: bool):
+    """Rows `[N]` and counts `[4 or 0, N]` over the whole catalog, this rank holding `options`' slice.
 
-    Same loss, metrics and `d_hidden` on every rank as `cut_bce_with_logits` on the whole table
-    (formula: `jax_kernels/reference.py`); two all_reduce calls per step (module docstring).
-
-    Args:
-      hidden: `[*S, D]`, the same on every rank of the group.
-      item_weight: `[stop - start, D]`: this rank's rows of the table.
-      targets: `[*S, L]` global item ids (negative = padding), the same on every rank.
-      bias, class_weight, pos_weight: this rank's slices `[stop - start]`, or None.
-      options: this rank's `VocabParallelOptions`.
-      weight, reduction, return_metrics, block_v: as in `cut_bce_with_logits` ('mean' divides by
-        N x `options.num_items`, the global V; block_v is the local tile width).
-
-    Returns:
-      The loss, or `(loss, CutBCEMetrics)`, identical on every rank.
+    Called by `cut_bce_with_logits(..., vocab_parallel=options)` with `[N, D]` / `[N, L]` inputs;
+    the same rows, counts and `d_hidden` on every rank (module docstring).
     """
     local_items = options.stop - options.start
-    size = _check(hidden, item_weight, targets, bias, weight, class_weight, pos_weight,
-                  reduction=reduction, block_v=block_v)
-    if size.num_items != local_items:
-        raise ValueError(f"item_weight holds {size.num_items} rows but options give [{options.start}, {options.stop})")
-    _check_constant("class_weight", class_weight)
-    _check_constant("pos_weight", pos_weight)
-    n = size.num_positions
-    block_v = min(size.block_v or default_block_v(n, local_items), local_items)
-    hidden = _CopyToRanks.apply(hidden.reshape(n, size.hidden_size), options.group)
-    # Global ids: the Function keeps those in [start, stop) as local ids, the others are another rank's.
-    # ids >= the global V raise (CPU) or assert (CUDA) inside the op, as in cut_bce_with_logits.
-    rows, counts = ops.rows(
-        hidden, item_weight, bias, class_weight, pos_weight, targets.reshape(n, size.num_slots),
-        block_v=block_v, compute_metrics=return_metrics, offset=options.start, id_limit=options.num_items,
-    )
+    if item_weight.shape[0] != local_items:
+        raise ValueError(f"item_weight holds {item_weight.shape[0]} rows but options give "
+                         f"[{options.start}, {options.stop})")
+    hidden = _CopyToRanks.apply(hidden, options.group)
+    # Global ids: the op keeps those in [start, stop) as local ids, the others are another rank's;
+    # ids >= the global V raise (CPU) or assert (CUDA) inside the op, as on one device.
+    rows, counts = ops.rows(hidden, item_weight, bias, class_weight, pos_weight, targets, block_v=block_v,
+                            compute_metrics=compute_metrics, offset=options.start, id_limit=options.num_items)
     # One all_reduce: counts are integers below 2**24, exact in float32 and float64.
     stacked = _SumOverRanks.apply(torch.cat([rows[None], counts.to(rows.dtype)]), options.group)
-    rows, counts = stacked[0], stacked[1:].detach().float()
-    return reduce_rows(rows, counts, weight, reduction, size.lead_shape, options.num_items, return_metrics)
+    return stacked[0], stacked[1:].detach().float()

@@ -1,0 +1,93 @@
+"""The torch entry's argument rules: validation, the backend choice, devices, dtypes.
+
+Shape and dtype rules are framework-neutral and live in `jax_kernels.shapes.check_arguments`
+(shared with `jax_kernels.cut_bce`); this module describes torch tensors to it and adds what only
+torch has (devices, requires_grad, autocast).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from jax_kernels.shapes import ArraySpec, check_arguments
+from torch_cutbce import ops
+
+BACKENDS = ("auto", "native", "dense", "xla", "xla_blocked", "xla_pallas")
+
+
+def spec(x: torch.Tensor | None, name: str = "argument") -> ArraySpec | None:
+    if x is None:
+        return None
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__} (convert it with torch.as_tensor)")
+    return ArraySpec(tuple(x.shape), str(x.dtype).removeprefix("torch."))
+
+
+def check(hidden, item_weight, targets, bias, weight, class_weight, pos_weight, *, reduction, block_v):
+    """`check_arguments` on the torch tensors, each named in its error."""
+    tensors = dict(hidden=hidden, item_weight=item_weight, targets=targets, bias=bias, weight=weight,
+                   class_weight=class_weight, pos_weight=pos_weight)
+    specs = {name: spec(t, name) for name, t in tensors.items()}
+    return check_arguments(**specs, reduction=reduction, block_v=block_v)
+
+
+def check_backend(backend) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def resolve_backend(backend: str, hidden: torch.Tensor) -> str:
+    check_backend(backend)
+    if backend == "auto":
+        return "xla" if hidden.device.type == "xla" else "native"
+    return backend
+
+
+def check_devices(tensors: dict[str, torch.Tensor | None], backend: str) -> None:
+    device = tensors["hidden"].device
+    for name, t in tensors.items():
+        if t is not None and t.device != device:
+            raise ValueError(
+                f"{name} is on {t.device} but hidden is on {device}: all tensors must be on one device "
+                f"(move them with .to(hidden.device))"
+            )
+    on_xla = device.type == "xla"
+    if backend.startswith("xla") and not on_xla:
+        raise ValueError(f"backend={backend!r} needs tensors on an XLA device (torch_xla), got {device}")
+    if backend == "native" and on_xla:
+        raise ValueError("backend='native' runs on CPU/CUDA tensors; XLA tensors use backend='auto' or 'xla'")
+
+
+def check_constant(name: str, t: torch.Tensor | None) -> None:
+    if t is not None and t.requires_grad:
+        raise ValueError(
+            f"{name} requires grad, but CutBCE treats {name} as a constant (no gradient is computed); "
+            f"pass {name}.detach()"
+        )
+
+
+def check_ids_below_vocab(targets: torch.Tensor, num_items: int) -> None:
+    """ids >= V: raise on CPU; a non-blocking device assert on CUDA; on XLA they are ignored like padding.
+
+    The native engine checks inside its op (`ops.check_ids_below`), where no host sync is needed
+    and torch.compile sees no data-dependent read; this is for the dense reference.
+    """
+    if targets.device.type in ("cpu", "cuda"):
+        ops.check_ids_below(targets, num_items)
+
+
+def matmul_dtype_inputs(hidden, item_weight, bias):
+    """hidden, item_weight and bias as the logits' matmul sees them: a linear layer's rule.
+
+    Under `torch.autocast` the floating inputs (not float64) are cast to the autocast dtype, as
+    `F.linear` would; otherwise hidden and item_weight are promoted to a common dtype (torch's type
+    promotion; bias is cast to the compute dtype by every engine). The casts are differentiable:
+    each input's gradient comes back in its own dtype.
+    """
+    device_type = hidden.device.type
+    if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        cast = lambda x: x if x is None or x.dtype == torch.float64 else x.to(dtype)  # noqa: E731
+        return cast(hidden), cast(item_weight), cast(bias)
+    common = torch.promote_types(hidden.dtype, item_weight.dtype)
+    return hidden.to(common), item_weight.to(common), bias

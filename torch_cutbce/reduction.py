@@ -1,0 +1,28 @@
+"""Per-position rows -> the loss of a reduction, with the position weight and the metrics."""
+
+from __future__ import annotations
+
+from jax_kernels.shapes import reduction_divisor
+from torch_cutbce.metrics import CutBCEMetrics
+
+
+def reduce_rows(rows, counts, weight, reduction, lead_shape, num_items, return_metrics):
+    """Per-position rows `[N]` and counts `[4, N]` -> the loss (and `CutBCEMetrics`) of a reduction.
+
+    The position weight multiplies here, in plain torch, so autograd gives `weight` its gradient.
+    """
+    n = rows.shape[0]
+    if weight is not None:
+        rows = rows * weight.reshape(n).to(rows.dtype)
+        counts = counts * weight.detach().reshape(1, n).to(counts.dtype)
+    if reduction == "none":
+        loss = rows.reshape(lead_shape)
+    elif reduction == "sum":
+        loss = rows.sum()
+    else:
+        loss = rows.sum() / reduction_divisor(reduction, n, num_items)
+    if not return_metrics:
+        return loss
+    if reduction == "none":
+        return loss, CutBCEMetrics(*counts).reshape(lead_shape)
+    return loss, CutBCEMetrics(*counts.sum(-1))
