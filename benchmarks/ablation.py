@@ -6,43 +6,26 @@
 Three parts, each interleaved in one process (medians, and ratios to the part's first row):
 1. Tile functions, ns per logits element: the eager twin; torch.compile with torch.log1p; with the
    polynomial log1p under inductor's default fusion thresholds; as shipped (polynomial, one loop).
-2. The native loss, forward + backward: the code before this work (commit 9e6b519, read with
-   `git show`), the recompute-in-backward Function with compiled tiles (reduction='none', summed),
-   gradients in the forward with eager tiles, and as shipped; against dense eager and mm_floor.
-3. The JAX blocked loop before (9e6b519) and after, forward and forward + backward, under jit;
-   and the scalar reductions' one-pass loop (gradients in the forward).
+2. The native loss, forward + backward: the code before this work (commit 9e6b519, frozen in
+   benchmarks/frozen/before_speed_work/), the recompute-in-backward Function with compiled tiles
+   (reduction='none', summed), gradients in the forward with eager tiles, and as shipped; against
+   dense eager and mm_floor.
+3. The JAX blocked loop before (9e6b519, frozen there too) and after, forward and forward +
+   backward, under jit; and the scalar reductions' one-pass loop (gradients in the forward).
 4. The native loss and mm_floor at tile widths 256 .. 4096 (the cache fit).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
-import pathlib
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 import providers as P
 
-HERE = pathlib.Path(__file__).resolve().parent
-BEFORE = "9e6b519"  # the last commit before the speed work
-
-
-def load_before(path: str, name: str):
-    """The module at `path` as of commit BEFORE, imported under `name` (None if git cannot show it)."""
-    done = subprocess.run(["git", "show", f"{BEFORE}:{path}"], cwd=HERE, capture_output=True, text=True)
-    if done.returncode:
-        return None
-    file = pathlib.Path(tempfile.mkdtemp()) / f"{name}.py"
-    file.write_text(done.stdout)
-    spec = importlib.util.spec_from_file_location(name, file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+BEFORE = "9e6b519"  # the last commit before the speed work; its engines are in frozen/before_speed_work/
 
 
 def interleave(variants: dict, rounds: int) -> dict:
@@ -117,7 +100,7 @@ def native_part(shape, block_v, rounds):
 
     from torch_cutbce import cut_bce_with_logits
 
-    before = load_before("torch_cutbce/native.py", "native_before")
+    from frozen.before_speed_work import torch_native as before
     h0, e0, t0 = (torch.tensor(a) for a in P.make_numpy_inputs(shape))
     n, v = shape.num_positions, shape.num_items
 
@@ -135,9 +118,8 @@ def native_part(shape, block_v, rounds):
             del os.environ["TORCH_CUTBCE_NO_COMPILE"]
 
     variants = {"dense_eager": P.setup("dense_eager", shape, "fwd+bwd").step}
-    if before is not None:
-        variants[f"before ({BEFORE}): recompute in backward, eager tiles"] = step(
-            lambda h, e: before.NativeCutBCERows.apply(h, e, None, None, None, t0, block_v, False)[0].sum() / (n * v))
+    variants[f"before ({BEFORE}): recompute in backward, eager tiles"] = step(
+        lambda h, e: before.NativeCutBCERows.apply(h, e, None, None, None, t0, block_v, False)[0].sum() / (n * v))
     variants["recompute in backward, compiled tiles"] = step(
         lambda h, e: cut_bce_with_logits(h, e, t0, block_v=block_v, reduction="none").sum() / (n * v))
     variants["gradients in forward, eager tiles"] = step(eager)
@@ -175,7 +157,7 @@ def jax_part(shape, block_v, rounds):
 
     from jax_kernels import blocked
 
-    before = load_before("jax_kernels/blocked.py", "blocked_before")
+    from frozen.before_speed_work import jax_blocked as before
     h, e, _ = (jnp.asarray(a) for a in P.make_numpy_inputs(shape))
     n, v = shape.num_positions, shape.num_items
 
@@ -231,8 +213,7 @@ def jax_part(shape, block_v, rounds):
 
     variants = {}
     for mode in ("fwd", "fwd+bwd"):
-        if before is not None:
-            variants[f"{mode}: before ({BEFORE}), log1p, masked sum"] = compiled(before, mode)
+        variants[f"{mode}: before ({BEFORE}), log1p, masked sum"] = compiled(before, mode)
         variants[f"{mode}: polynomial log1p, row sum as a dot{' (shipped)' if mode == 'fwd' else ''}"] = compiled(blocked, mode)
     variants["fwd+bwd: + gradients in the forward, one exp (shipped for mean/sum)"] = fused()
     report(f"3. JAX blocked background (jit), {shape.label()}, block_v={block_v}", interleave(variants, rounds))

@@ -3,9 +3,11 @@
     .venv/bin/python benchmarks/headline.py                      # B=64, S=200, D=64, V=1,000,000, 3 steps
     .venv/bin/python benchmarks/headline.py --num-items 5000 --batch-size 4 --seq-len 20 --steps 2   # smoke
 
-A small SASRec: item embedding (tied with the output item table), learned positions, one causal
-pre-norm transformer layer, and full-catalog multi-label BCE: each position's targets are the next
-`--num-slots` items of its sequence (padding -1), every one of the V items scored. With CutBCE
+The model is the example's SASRec (`examples/sasrec.py`, what `examples/train.py` trains): item
+embedding tied with the output item table, learned positions, causal pre-norm blocks; here one
+block, two heads, a 2x MLP, no item bias. The loss is full-catalog multi-label BCE: each
+position's targets are the next `--num-slots` items of its sequence (padding -1), every one of
+the V items scored. With CutBCE
 (`cut_bce_with_logits`, the native path) the step holds one `[N, block_v]` tile of logits; Adam
 updates the whole table. Printed: seconds per step (median of the steps after the first, which
 includes the first calls of the compiled tile functions and is reported apart), steps/s, losses,
@@ -32,52 +34,41 @@ import sys
 import time
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
-from proc_memory import MIB, limit_address_space, peak_rss_bytes
-from torch_cutbce import cut_bce_with_logits, fused_tile
-
 HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # examples/ is a folder of scripts beside benchmarks/, not installed
+
+from examples.sasrec import RecConfig, SASRec  # noqa: E402
+from proc_memory import MIB, limit_address_space, peak_rss_bytes  # noqa: E402
+from torch_cutbce import cut_bce_with_logits, fused_tile  # noqa: E402
+
 GIB = 1 << 30
 
 
-class TinySASRec(nn.Module):
-    """Item + position embeddings, one causal transformer layer; the item table doubles as the output layer."""
-
-    def __init__(self, num_items: int, seq_len: int, hidden_size: int, num_heads: int = 2, dropout: float = 0.1):
-        super().__init__()
-        self.num_items = num_items
-        self.items = nn.Embedding(num_items + 1, hidden_size, padding_idx=num_items)  # id V = padding
-        self.positions = nn.Embedding(seq_len, hidden_size)
-        self.layer = nn.TransformerEncoderLayer(hidden_size, num_heads, 2 * hidden_size, dropout,
-                                                batch_first=True, norm_first=True)
-        self.norm = nn.LayerNorm(hidden_size)
-        nn.init.normal_(self.items.weight, std=hidden_size**-0.5)
-        self.register_buffer("causal", nn.Transformer.generate_square_subsequent_mask(seq_len), persistent=False)
-
-    def item_table(self) -> torch.Tensor:
-        return self.items.weight[: self.num_items]  # [V, D], a view: gradients reach the embedding
-
-    def forward(self, seq: torch.Tensor) -> torch.Tensor:
-        x = self.items(seq) + self.positions.weight[: seq.shape[1]]
-        x = self.layer(x, src_mask=self.causal[: seq.shape[1], : seq.shape[1]], is_causal=True)
-        return self.norm(x)  # [B, S, D]
+def make_model(args) -> SASRec:
+    """The example's SASRec at the headline's size: one block, two heads, a 2x MLP, no item bias."""
+    return SASRec(RecConfig(args.num_items, max_len=args.seq_len, dim=args.hidden_size, num_layers=1, num_heads=2,
+                            mlp_ratio=2, dropout=0.1, item_bias=False))
 
 
 def synthetic_batch(batch_size, seq_len, num_items, num_slots, seed):
-    """Sequences of Zipf-popular items, left-padded; targets = the next `num_slots` items (-1 past the end)."""
+    """Sequences of Zipf-popular items, left-padded; targets = the next `num_slots` items (-1 past the end).
+
+    Returns `(seq [B, S], targets [B, S, L], mask [B, S])`: `seq` holds SASRec's item ids (catalog id
+    + 1, 0 = padding), `targets` catalog ids 0..V-1, `mask` 1.0 at real positions.
+    """
     g = torch.Generator().manual_seed(seed)
     ranks = torch.arange(1, num_items + 1, dtype=torch.float64)
     popularity = ranks.pow(-1.05)  # heavy head, long tail, as in real catalogs
     full = torch.multinomial(popularity / popularity.sum(), batch_size * (seq_len + num_slots), replacement=True,
                              generator=g).view(batch_size, seq_len + num_slots)
-    seq, future = full[:, :seq_len].clone(), full[:, 1:]
+    seq, future = full[:, :seq_len], full[:, 1:]
     lengths = torch.randint(seq_len // 4, seq_len + 1, (batch_size,), generator=g)
     pad = torch.arange(seq_len) < (seq_len - lengths)[:, None]  # left padding
-    seq[pad] = num_items
     targets = torch.stack([future[:, k: k + seq_len] for k in range(num_slots)], dim=-1)  # [B, S, L]
     targets[pad] = -1
+    seq = torch.where(pad, 0, seq + 1)  # SASRec's ids: item id = catalog id + 1, 0 = padding
     return seq, targets, (~pad).to(torch.float32)
 
 
@@ -104,14 +95,14 @@ def dense_loss(hidden, table, targets, mask):
 
 def train(args, loss_fn, steps):
     torch.manual_seed(0)
-    model = TinySASRec(args.num_items, args.seq_len, args.hidden_size)
+    model = make_model(args)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     seq, targets, mask = synthetic_batch(args.batch_size, args.seq_len, args.num_items, args.num_slots, seed=1)
     losses, seconds = [], []
     for _ in range(steps):
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        loss = masked_loss(loss_fn, model(seq), model.item_table(), targets, mask, args.num_items)
+        loss = masked_loss(loss_fn, model(seq), model.item_weight, targets, mask, args.num_items)
         loss.backward()
         optimizer.step()
         seconds.append(time.perf_counter() - start)
@@ -135,24 +126,26 @@ def dense_worker(args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--num-items", type=int, default=1_000_000)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--seq-len", type=int, default=200)
-    parser.add_argument("--hidden-size", type=int, default=64)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--num-items", type=int, default=1_000_000, help="catalog size V")
+    parser.add_argument("--batch-size", type=int, default=64, help="sequences per step B")
+    parser.add_argument("--seq-len", type=int, default=200, help="sequence length S (N = B S positions)")
+    parser.add_argument("--hidden-size", type=int, default=64, help="hidden size D")
     parser.add_argument("--num-slots", type=int, default=3, help="targets per position: the next L items")
     parser.add_argument("--steps", type=int, default=3, help="timed CutBCE steps after the first")
     parser.add_argument("--dense-limit-gib", type=float, default=16.0,
                         help="address space the dense attempt may add (its RLIMIT_AS)")
-    parser.add_argument("--skip-dense", action="store_true")
-    parser.add_argument("--out", type=pathlib.Path, default=HERE / "results" / "headline.csv")
+    parser.add_argument("--skip-dense", action="store_true", help="do not attempt the dense step")
+    parser.add_argument("--out", type=pathlib.Path, default=HERE / "results" / "headline.csv",
+                        help="CSV file the summary row is appended to")
     parser.add_argument("--dense-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.dense_worker:
         dense_worker(args)
         return 0
     n = args.batch_size * args.seq_len
-    print(f"SASRec-like: B={args.batch_size} S={args.seq_len} (N={n}) D={args.hidden_size} V={args.num_items:,} "
+    print(f"SASRec (examples/sasrec.py): B={args.batch_size} S={args.seq_len} (N={n}) D={args.hidden_size} V={args.num_items:,} "
           f"L={args.num_slots}, float32, {torch.get_num_threads()} torch threads", flush=True)
     print(f"dense [N, V] float32 logits: {n * args.num_items * 4 / GIB:.1f} GiB each; the dense step needs "
           f">= {dense_need_gib(n, args.num_items):.1f} GiB (logits, their gradient, the multi-hot target)")

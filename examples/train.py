@@ -12,21 +12,22 @@ only that model is evaluated on the test items, once, at the end, next to a popu
 Checkpoints are written atomically and hold everything the remaining run depends on (model,
 optimizer, RNG states, position in the data order), so a killed run resumed with --resume ends
 with the same parameters as an uninterrupted one.
+
+The run reads top to bottom in `train`: load the data, build the model, start or resume, then per
+epoch `train_one_epoch` and `validate`, and at the end `test_and_report`.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
-import os
-import re
 import resource
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 if __package__ in (None, ""):  # run as a script: make `examples` and `torch_cutbce` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -38,90 +39,24 @@ from tqdm import tqdm
 
 from examples import data
 from examples.bert4rec import BERT4Rec
+from examples.config import TrainConfig, parse_args
+from examples.checkpoint import atomic_save, rng_states, set_rng_states, to_cpu
+from examples.device import get_device, make_mesh, shard, sync
 from examples.evaluate import evaluate, format_metrics, model_query, popularity_query
-from examples.sasrec import SASRec, RecConfig
+from examples.sasrec import RecConfig, SASRec
 from torch_cutbce import cut_bce_with_logits
 
-
-@dataclass
-class TrainConfig:
-    model: str = "sasrec"  # sasrec | bert4rec
-    dataset: str = "ml-100k"  # ml-100k | yambda | synthetic
-    data_path: str = ""  # ml-100k: a local .inter or recbole wheel; yambda: the parquet file/folder
-    synthetic_items: int = 100_000
-    synthetic_users: int = 10_000
-    loss: str = "cutbce"  # cutbce | dense (materialized BCEWithLogitsLoss, the A/B baseline)
-    device: str = "cpu"  # cpu | xla
-    mesh: str = ""  # e.g. "2x2": torch_xla SPMD over data x model devices, item table split along V (--device xla)
-    out_dir: str = ""  # default: runs/<model>-<dataset>-<loss>-seed<seed> (runs/ is git-ignored)
-    resume: bool = False
-    seed: int = 0
-    # data
-    holdout: int = 1  # leave-h-out: the last h items test, the h before them validation
-    k: int = 8  # SASRec's positives per position: the next k items; also the k of the Hit@k metric
-    bert_labels: int = 1  # BERT4Rec's positives per masked position: its item and the bert_labels-1 after it
-    max_len: int = 50
-    mask_prob: float = 0.2  # BERT4Rec
-    # model
-    dim: int = 64
-    num_layers: int = 2
-    num_heads: int = 1
-    dropout: float = 0.2
-    item_bias: bool = True  # a learned score offset per item (--no-item-bias: vectors only)
-    # optimization
-    epochs: int = 20
-    batch_size: int = 64
-    lr: float = 3e-3
-    weight_decay: float = 0.0
-    pos_weight: float = 1.0  # BCE weight of the positive term (the negatives outnumber them V / k to 1)
-    block_v: int = 0  # CutBCE vocabulary tile; 0 = the library's default
-    # evaluation and checkpoints
-    eval_batch_size: int = 256
-    exclude_seen: str = "auto"  # auto | yes | no: drop already-seen items from rankings
-    patience: int = 0  # stop after this many epochs without a better validation NDCG@10; 0 = never
-    ckpt_every: int = 0  # also checkpoint every this many steps (0: at the end of each epoch only)
-    max_steps: int = 0  # stop after this many optimizer steps in total (0: no limit)
-    kill_after_steps: int = 0  # testing aid: die abruptly after this many steps, like a kill -9
-    num_threads: int = 0  # torch CPU threads (0: torch's default)
-
-    @property
-    def labels(self) -> int:
-        """Width of the positive-id lists `[B, T, labels]` the loss gets."""
-        return self.k if self.model == "sasrec" else self.bert_labels
-
-    def __post_init__(self):
-        if self.model not in ("sasrec", "bert4rec"):
-            raise ValueError(f"unknown --model {self.model!r}; choose sasrec or bert4rec")
-        if self.dataset not in data.DATASETS:
-            raise ValueError(f"unknown --dataset {self.dataset!r}; choose one of {data.DATASETS}")
-        if self.loss not in ("cutbce", "dense"):
-            raise ValueError(f"unknown --loss {self.loss!r}; choose cutbce or dense")
-        if self.device not in ("cpu", "xla"):
-            raise ValueError(f"unknown --device {self.device!r}; choose cpu or xla")
-        if self.mesh and (self.device != "xla" or not re.fullmatch(r"\d+x\d+", self.mesh)):
-            raise ValueError(f"--mesh takes DATAxMODEL device counts (e.g. 2x2) with --device xla, got {self.mesh!r}")
-        if not self.out_dir:
-            self.out_dir = f"runs/{self.model}-{self.dataset}-{self.loss}-seed{self.seed}"
-        if self.exclude_seen not in ("auto", "yes", "no"):
-            raise ValueError(f"--exclude-seen must be auto, yes or no, got {self.exclude_seen!r}")
-        for name in ("k", "bert_labels", "holdout", "max_len", "batch_size", "eval_batch_size", "epochs"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.model == "bert4rec" and self.max_len < 2:
-            raise ValueError("bert4rec needs --max-len >= 2 (the history plus the appended [MASK])")
-        if not 0 < self.mask_prob <= 1 or self.lr <= 0 or self.pos_weight <= 0:
-            raise ValueError(f"need 0 < mask_prob <= 1, lr > 0, pos_weight > 0, got "
-                             f"{self.mask_prob}, {self.lr}, {self.pos_weight}")
-
-
-class SimulatedKill(BaseException):
-    """Raised by --kill-after-steps; BaseException so no `except Exception` swallows it."""
+MODELS = {"sasrec": SASRec, "bert4rec": BERT4Rec}
 
 
 # Settings a resumed run must share with the checkpoint (the rest, e.g. --epochs, may change).
-SAME_ON_RESUME = ("model", "dataset", "data_path", "synthetic_items", "synthetic_users", "loss", "seed",
-                  "holdout", "k", "bert_labels", "max_len", "mask_prob", "dim", "num_layers", "num_heads", "dropout", "item_bias",
-                  "batch_size", "lr", "weight_decay", "pos_weight", "mesh")
+SAME_ON_RESUME = ("model", "dataset", "data_path", "synthetic_items", "synthetic_users", "loss", "seed", "holdout",
+                  "k", "bert_labels", "max_len", "mask_prob", "dim", "num_layers", "num_heads", "dropout",
+                  "item_bias", "batch_size", "lr", "weight_decay", "pos_weight", "mesh")
+
+
+class ResumeError(ValueError):
+    """--resume with a checkpoint that this run cannot continue exactly."""
 
 
 # ----------------------------------------------------------------------------- batches and loss
@@ -176,275 +111,305 @@ def bce_loss(hidden, item_weight, bias, targets, weight, pos_weight, cfg: TrainC
     return (per_item.sum(-1) * weight).sum() / denominator
 
 
-# ----------------------------------------------------------------------------- checkpoints
+# ----------------------------------------------------------------------------- the pieces of a run
 
 
-def atomic_save(obj, path: Path) -> None:
-    """torch.save to a temporary file in the same folder, then rename: a kill at any moment leaves
-    either the old file or the new one, never a torn one."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+@dataclass
+class TrainState:
+    """Where the run stands; saved in every checkpoint, so that a resumed run continues exactly."""
+
+    epoch: int = 0
+    step_in_epoch: int = 0
+    step: int = 0
+    losses: list = field(default_factory=list)  # every step's training loss
+    val: list = field(default_factory=list)  # one dict of validation metrics per epoch
+    best_epoch: int = -1
+    best_ndcg: float = -1.0
+    bad_epochs: int = 0  # epochs since the best one, for --patience
+    done: bool = False  # --max-steps or --patience ended the run
+    train_time_s: float = 0.0
+    positions: int = 0
+
+    def positions_per_s(self) -> float:
+        return self.positions / max(self.train_time_s, 1e-9)
 
 
-def to_cpu(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {key: to_cpu(value) for key, value in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_cpu(value) for value in obj)
-    return obj
+@dataclass
+class Run:
+    """What a run is made of once built: the data, the model and where it runs."""
+
+    cfg: TrainConfig
+    ds: data.SeqDataset
+    windows: np.ndarray  # [W, max_len + labels] training windows (data.train_windows)
+    exclude_seen: bool
+    device: torch.device
+    mesh: object  # a torch_xla SPMD mesh, or None
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    pos_weight: torch.Tensor | None
+    out_dir: Path
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return math.ceil(len(self.windows) / self.cfg.batch_size)
+
+    @property
+    def eval_kwargs(self) -> dict:
+        """The settings `evaluate` shares for the model and the popularity baseline."""
+        context_len = self.cfg.max_len if self.cfg.model == "sasrec" else self.cfg.max_len - 1  # BERT4Rec: + [MASK]
+        return dict(context_len=context_len, k_next=self.cfg.k, exclude_seen=self.exclude_seen,
+                    batch_size=self.cfg.eval_batch_size)
+
+    def data_order(self, epoch: int) -> np.ndarray:
+        """The windows' order in `epoch`: a function of (seed, epoch), so the same after a resume."""
+        return np.random.default_rng([self.cfg.seed, epoch]).permutation(len(self.windows))
 
 
-def rng_states(device: torch.device) -> dict:
-    states = {"torch": torch.get_rng_state()}
-    if device.type == "xla":
-        import torch_xla.core.xla_model as xm
-        states["xla"] = xm.get_rng_state(device)
-    return states
+def load_data(cfg: TrainConfig) -> tuple[data.SeqDataset, np.ndarray, bool]:
+    """The data set, its training windows and whether rankings exclude seen items.
 
-
-def set_rng_states(states: dict, device: torch.device) -> None:
-    torch.set_rng_state(states["torch"])
-    if device.type == "xla":
-        import torch_xla.core.xla_model as xm
-        xm.set_rng_state(states["xla"], device)
-
-
-def get_device(name: str) -> torch.device:
-    if name == "cpu":
-        return torch.device("cpu")
-    try:
-        import torch_xla
-    except ImportError as e:
-        raise RuntimeError("--device xla needs torch_xla: pip install -e '.[xla]'") from e
-    return torch_xla.device()
-
-
-def make_mesh(spec: str):
-    """'DxM' -> a torch_xla SPMD mesh of D data-parallel x M vocabulary-parallel devices (or None).
-
-    Device ids go 0..n-1 in order, as `cut_bce_with_logits(..., mesh=)` requires. On a CPU host,
-    simulate devices with PJRT_DEVICE=CPU CPU_NUM_DEVICES=4.
+    The set and its split depend on the data seed (0), never on --seed.
     """
-    if not spec:
-        return None
-    import torch_xla.distributed.spmd as xs
-    import torch_xla.runtime as xr
-
-    xr.use_spmd()
-    data_n, model_n = (int(x) for x in spec.split("x"))
-    return xs.Mesh(np.arange(data_n * model_n), (data_n, model_n), ("data", "model"))
-
-
-def shard(tensor: torch.Tensor, mesh, spec: tuple) -> None:
-    import torch_xla.distributed.spmd as xs
-
-    xs.mark_sharding(tensor, mesh, spec)
-
-
-def sync(device: torch.device) -> None:
-    """Cuts and runs the lazy XLA graph of one step (a no-op on CPU)."""
-    if device.type == "xla":
-        import torch_xla
-        torch_xla.sync()
-
-
-# ----------------------------------------------------------------------------- the run
-
-
-def train(cfg: TrainConfig) -> dict:
-    t_start = time.time()
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
-    out_dir = Path(cfg.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    ckpt_path, best_path = out_dir / "ckpt.pt", out_dir / "best.pt"
-    mesh = make_mesh(cfg.mesh)  # before any XLA tensor exists: SPMD must be on first
-    device = get_device(cfg.device)
-
-    # data: the set and its split depend on the data seed (0), never on --seed
     ds = data.load_dataset(cfg.dataset, cfg.data_path or None, synthetic_items=cfg.synthetic_items,
                            synthetic_users=cfg.synthetic_users)
     ds = data.drop_short_users(ds, 2 * cfg.holdout + 1)
     windows = data.train_windows(ds, cfg.holdout, cfg.max_len, cfg.labels)
     exclude_seen = {"yes": True, "no": False, "auto": not ds.has_repeats()}[cfg.exclude_seen]
-    steps_per_epoch = math.ceil(len(windows) / cfg.batch_size)
-    print(f"{ds.name}: {ds.num_users} users, {ds.num_items} items, {len(ds.items)} events, "
-          f"{len(windows)} training windows of {cfg.max_len}, {steps_per_epoch} steps/epoch, "
-          f"exclude_seen={exclude_seen}")
+    return ds, windows, exclude_seen
 
-    # model and optimizer; the seed fixes the initialization (made on CPU, so equal on every device)
+
+def build_model(cfg: TrainConfig, num_items: int, device: torch.device, mesh):
+    """The model, its Adam optimizer and the loss's pos_weight (None when 1).
+
+    The seed fixes the initialization, made on the CPU so that it is the same on every device.
+    """
     torch.manual_seed(cfg.seed)
-    model_cfg = RecConfig(ds.num_items, cfg.max_len, cfg.dim, cfg.num_layers, cfg.num_heads, dropout=cfg.dropout,
-                          item_bias=cfg.item_bias)
-    model = (SASRec if cfg.model == "sasrec" else BERT4Rec)(model_cfg)
+    model = MODELS[cfg.model](RecConfig(num_items, cfg.max_len, cfg.dim, cfg.num_layers, cfg.num_heads,
+                                        dropout=cfg.dropout, item_bias=cfg.item_bias))
     if model.item_bias is not None:
         # Start at the base rate of a positive, log(k / V): otherwise the first steps spend
         # themselves pushing every score down, through the item vectors too.
-        torch.nn.init.constant_(model.item_bias, math.log(cfg.labels / ds.num_items))
+        torch.nn.init.constant_(model.item_bias, math.log(cfg.labels / num_items))
     model = model.to(device)
     if mesh is not None:
         shard(model.item_emb.weight, mesh, ("model", None))  # each device holds a slice of the catalog
         if model.item_bias is not None:
             shard(model.item_bias, mesh, ("model",))
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    pos_weight = None if cfg.pos_weight == 1.0 else torch.full((ds.num_items,), cfg.pos_weight, device=device)
+    pos_weight = None if cfg.pos_weight == 1.0 else torch.full((num_items,), cfg.pos_weight, device=device)
     if device.type == "xla":
         import torch_xla.core.xla_model as xm
+
         xm.set_rng_state(cfg.seed, device)
-    context_len = cfg.max_len if cfg.model == "sasrec" else cfg.max_len - 1
-    eval_kwargs = dict(context_len=context_len, k_next=cfg.k, exclude_seen=exclude_seen,
-                       batch_size=cfg.eval_batch_size)
+    return model, optimizer, pos_weight
 
-    # training state, fresh or from the checkpoint
-    state = dict(epoch=0, step_in_epoch=0, step=0, losses=[], val=[], best_epoch=-1, best_ndcg=-1.0,
-                 bad_epochs=0, done=False, train_time_s=0.0, positions=0)
-    if cfg.resume and ckpt_path.exists():
-        ckpt = torch.load(ckpt_path, weights_only=False)
-        changed = [n for n in SAME_ON_RESUME if ckpt["config"][n] != getattr(cfg, n)]
-        if changed:
-            raise ValueError(f"--resume: {changed} differ from the checkpoint in {ckpt_path}; use another --out-dir")
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        set_rng_states(ckpt["rng"], device)
-        state = ckpt["state"]
-        order = np.random.default_rng([cfg.seed, state["epoch"]]).permutation(len(windows))
-        if state["step_in_epoch"] and not np.array_equal(order, ckpt["data_order"]):
-            raise ValueError(f"--resume: the training data differ from the checkpoint's ({len(windows)} windows "
-                             f"now, {len(ckpt['data_order'])} then); the run cannot continue exactly")
-        print(f"resumed from {ckpt_path}: epoch {state['epoch']}, step {state['step']}")
-    elif cfg.resume:
-        print(f"--resume: no checkpoint in {out_dir}, starting fresh")
 
-    def save_checkpoint():
-        atomic_save(dict(config=dataclasses.asdict(cfg), model=to_cpu(model.state_dict()),
-                         optimizer=to_cpu(optimizer.state_dict()), rng=to_cpu(rng_states(device)),
-                         state=state, data_order=order), ckpt_path)
+def save_checkpoint(run: Run, state: TrainState) -> None:
+    atomic_save(dict(config=dataclasses.asdict(run.cfg), model=to_cpu(run.model.state_dict()),
+                     optimizer=to_cpu(run.optimizer.state_dict()), rng=to_cpu(rng_states(run.device)),
+                     state=dataclasses.asdict(state), data_order=run.data_order(state.epoch)),
+                run.out_dir / "ckpt.pt")
 
-    while state["epoch"] < cfg.epochs and not state["done"]:
-        epoch = state["epoch"]
-        # The data order of an epoch is a function of (seed, epoch): the same after a resume.
-        order = np.random.default_rng([cfg.seed, epoch]).permutation(len(windows))
-        model.train()
-        bar = tqdm(total=steps_per_epoch, initial=state["step_in_epoch"], desc=f"epoch {epoch}",
-                   disable=None, mininterval=1.0, leave=False)
-        while state["step_in_epoch"] < steps_per_epoch:
-            t0 = time.time()
-            i = state["step_in_epoch"]
-            batch = make_batch(windows[order[i * cfg.batch_size:(i + 1) * cfg.batch_size]], cfg, model, state["step"])
-            batch = {name: t.to(device) for name, t in batch.items()}
-            if mesh is not None:
-                shard(batch["inputs"], mesh, ("data", None))  # positions split over the data axis
-            hidden = model(batch["inputs"])
-            loss = bce_loss(hidden, model.item_weight, model.item_bias, batch["targets"], batch["weight"],
-                            pos_weight, cfg, mesh)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            sync(device)
-            state["losses"].append(loss.item())
-            state["step_in_epoch"] += 1
-            state["step"] += 1
-            state["positions"] += cfg.batch_size * cfg.max_len
-            state["train_time_s"] += time.time() - t0
-            bar.update(1)
-            bar.set_postfix(loss=f"{state['losses'][-1]:.5f}",
-                            pos_per_s=f"{state['positions'] / max(state['train_time_s'], 1e-9):.0f}")
-            if cfg.ckpt_every and state["step"] % cfg.ckpt_every == 0:
-                save_checkpoint()
-            if cfg.kill_after_steps and state["step"] == cfg.kill_after_steps:
-                raise SimulatedKill(f"killed after step {state['step']}")
-            if cfg.max_steps and state["step"] >= cfg.max_steps:
-                state["done"] = True
-                break
-        bar.close()
 
-        # validation; the only thing model selection looks at
-        model.eval()
-        val = evaluate(model_query(model), ds, cfg.holdout, "val", device=device, **eval_kwargs)
-        epoch_losses = state["losses"][len(state["losses"]) - state["step_in_epoch"]:]
-        train_loss = float(np.mean(epoch_losses)) if epoch_losses else float("nan")
-        state["val"].append(dict(epoch=epoch, step=state["step"], train_loss=train_loss, **val))
-        if val["NDCG@10"] > state["best_ndcg"]:
-            state["best_ndcg"], state["best_epoch"], state["bad_epochs"] = val["NDCG@10"], epoch, 0
-            atomic_save(dict(epoch=epoch, val=val, model=to_cpu(model.state_dict())), best_path)
-        else:
-            state["bad_epochs"] += 1
-            state["done"] |= bool(cfg.patience) and state["bad_epochs"] >= cfg.patience
-        print(f"epoch {epoch:3d} | loss {train_loss:.6f} | val {format_metrics(val)} | best epoch "
-              f"{state['best_epoch']} | {state['positions'] / max(state['train_time_s'], 1e-9):.0f} pos/s | "
-              f"{time.time() - t_start:.0f}s")
-        state["epoch"] += 1
-        state["step_in_epoch"] = 0
-        save_checkpoint()
+def start_or_resume(run: Run) -> TrainState:
+    """A fresh state, or with --resume the checkpoint's (model, optimizer and RNGs restored too).
 
-    # test, once, with the model validation picked
+    Raises:
+        ResumeError: the checkpoint was made with other settings or other training data.
+    """
+    cfg, ckpt_path = run.cfg, run.out_dir / "ckpt.pt"
+    if not cfg.resume:
+        return TrainState()
+    if not ckpt_path.exists():
+        print(f"--resume: no checkpoint in {run.out_dir}, starting fresh")
+        return TrainState()
+    ckpt = torch.load(ckpt_path, weights_only=False)
+    changed = [n for n in SAME_ON_RESUME if ckpt["config"][n] != getattr(cfg, n)]
+    if changed:
+        raise ResumeError(f"--resume: {changed} differ from the checkpoint in {ckpt_path}; use another --out-dir")
+    state = TrainState(**ckpt["state"])
+    if state.step_in_epoch and not np.array_equal(run.data_order(state.epoch), ckpt["data_order"]):
+        raise ResumeError(f"--resume: the training data differ from the checkpoint's ({len(run.windows)} windows "
+                          f"now, {len(ckpt['data_order'])} then); the run cannot continue exactly")
+    run.model.load_state_dict(ckpt["model"])
+    run.optimizer.load_state_dict(ckpt["optimizer"])
+    set_rng_states(ckpt["rng"], run.device)
+    print(f"resumed from {ckpt_path}: epoch {state.epoch}, step {state.step}")
+    return state
+
+
+def train_step(run: Run, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One optimizer step on one batch; returns the loss."""
+    if run.mesh is not None:
+        shard(batch["inputs"], run.mesh, ("data", None))  # positions split over the data axis
+    model = run.model
+    hidden = model(batch["inputs"])
+    loss = bce_loss(hidden, model.item_weight, model.item_bias, batch["targets"], batch["weight"], run.pos_weight,
+                    run.cfg, run.mesh)
+    run.optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    run.optimizer.step()
+    sync(run.device)
+    return loss
+
+
+def train_one_epoch(run: Run, state: TrainState, after_step: Callable[[int], None] | None) -> None:
+    """The steps of epoch `state.epoch` from `state.step_in_epoch` on (a resumed run starts mid-epoch)."""
+    cfg = run.cfg
+    order = run.data_order(state.epoch)
+    run.model.train()
+    bar = tqdm(total=run.steps_per_epoch, initial=state.step_in_epoch, desc=f"epoch {state.epoch}", disable=None,
+               mininterval=1.0, leave=False)
+    while state.step_in_epoch < run.steps_per_epoch:
+        t0 = time.time()
+        i = state.step_in_epoch
+        batch = make_batch(run.windows[order[i * cfg.batch_size:(i + 1) * cfg.batch_size]], cfg, run.model,
+                           state.step)
+        loss = train_step(run, {name: t.to(run.device) for name, t in batch.items()})
+        state.losses.append(loss.item())
+        state.step_in_epoch += 1
+        state.step += 1
+        state.positions += cfg.batch_size * cfg.max_len
+        state.train_time_s += time.time() - t0
+        bar.update(1)
+        bar.set_postfix(loss=f"{state.losses[-1]:.5f}", pos_per_s=f"{state.positions_per_s():.0f}")
+        if cfg.ckpt_every and state.step % cfg.ckpt_every == 0:
+            save_checkpoint(run, state)
+        if after_step is not None:
+            after_step(state.step)
+        if cfg.max_steps and state.step >= cfg.max_steps:
+            state.done = True
+            break
+    bar.close()
+
+
+def validate(run: Run, state: TrainState) -> dict[str, float]:
+    """Validation metrics of the epoch just trained, the only thing model selection looks at.
+
+    Keeps the best model so far in best.pt and counts epochs without improvement for --patience.
+    """
+    run.model.eval()
+    val = evaluate(model_query(run.model), run.ds, run.cfg.holdout, "val", device=run.device, **run.eval_kwargs)
+    epoch_losses = state.losses[len(state.losses) - state.step_in_epoch:]
+    train_loss = float(np.mean(epoch_losses)) if epoch_losses else float("nan")
+    state.val.append(dict(epoch=state.epoch, step=state.step, train_loss=train_loss, **val))
+    if val["NDCG@10"] > state.best_ndcg:
+        state.best_ndcg, state.best_epoch, state.bad_epochs = val["NDCG@10"], state.epoch, 0
+        atomic_save(dict(epoch=state.epoch, val=val, model=to_cpu(run.model.state_dict())), run.out_dir / "best.pt")
+    else:
+        state.bad_epochs += 1
+        state.done |= bool(run.cfg.patience) and state.bad_epochs >= run.cfg.patience
+    return val
+
+
+def test_and_report(run: Run, state: TrainState, t_start: float) -> dict:
+    """Tests the model validation picked, once, next to popularity; writes metrics.json and curves.png."""
+    cfg, ds = run.cfg, run.ds
+    best_path = run.out_dir / "best.pt"
     if best_path.exists():
-        model.load_state_dict(torch.load(best_path, weights_only=False)["model"])
-    model.eval()
-    test = evaluate(model_query(model), ds, cfg.holdout, "test", device=device, **eval_kwargs)
-    popularity = {stage: evaluate(popularity_query(ds, cfg.holdout, stage), ds, cfg.holdout, stage, **eval_kwargs)
+        run.model.load_state_dict(torch.load(best_path, weights_only=False)["model"])
+    run.model.eval()
+    test = evaluate(model_query(run.model), ds, cfg.holdout, "test", device=run.device, **run.eval_kwargs)
+    popularity = {stage: evaluate(popularity_query(ds, cfg.holdout, stage), ds, cfg.holdout, stage, **run.eval_kwargs)
                   for stage in ("val", "test")}
     usage = resource.getrusage(resource.RUSAGE_SELF)
     result = dict(
         config=dataclasses.asdict(cfg),
         data=dict(name=ds.name, users=ds.num_users, items=ds.num_items, events=len(ds.items),
-                  train_windows=len(windows), exclude_seen=exclude_seen),
-        best_epoch=state["best_epoch"], test=test, popularity=popularity, history=state["val"],
-        steps=state["step"], train_time_s=state["train_time_s"],
-        positions_per_s=state["positions"] / max(state["train_time_s"], 1e-9),
+                  train_windows=len(run.windows), exclude_seen=run.exclude_seen),
+        best_epoch=state.best_epoch, test=test, popularity=popularity, history=state.val,
+        steps=state.step, train_time_s=state.train_time_s, positions_per_s=state.positions_per_s(),
         peak_rss_mib=usage.ru_maxrss / 1024,  # Linux reports KiB
         cpu_s=usage.ru_utime + usage.ru_stime,  # all threads; less sensitive than wall_s to other load
         wall_s=time.time() - t_start,
     )
-    (out_dir / "metrics.json").write_text(json.dumps(result, indent=2))
-    plot_curves(state, popularity["val"], out_dir / "curves.png")
-    print(f"test  ({cfg.model}, {cfg.loss}, best epoch {state['best_epoch']}): {format_metrics(test)}")
+    (run.out_dir / "metrics.json").write_text(json.dumps(result, indent=2))
+    plot_curves(state, popularity["val"], run.out_dir / "curves.png")
+    print(f"test  ({cfg.model}, {cfg.loss}, best epoch {state.best_epoch}): {format_metrics(test)}")
     print(f"test  (popularity): {format_metrics(popularity['test'])}")
     print(f"peak RSS {result['peak_rss_mib']:.0f} MiB, {result['positions_per_s']:.0f} positions/s, "
-          f"wall {result['wall_s']:.0f}s, CPU {result['cpu_s']:.0f}s; wrote {out_dir / 'metrics.json'} and {out_dir / 'curves.png'}")
+          f"wall {result['wall_s']:.0f}s, CPU {result['cpu_s']:.0f}s; "
+          f"wrote {run.out_dir / 'metrics.json'} and {run.out_dir / 'curves.png'}")
     return result
 
 
-def plot_curves(state: dict, popularity_val: dict, path: Path) -> None:
+def plot_curves(state: TrainState, popularity_val: dict, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax_loss, ax_val) = plt.subplots(1, 2, figsize=(11, 4))
-    ax_loss.plot(state["losses"], lw=0.7)
+    ax_loss.plot(state.losses, lw=0.7)
     ax_loss.set(xlabel="step", ylabel="train loss (mean BCE per item)", yscale="log", title="training loss")
-    epochs = [v["epoch"] for v in state["val"]]
+    epochs = [v["epoch"] for v in state.val]
     for name in ("HR@10", "NDCG@10"):
-        line, = ax_val.plot(epochs, [v[name] for v in state["val"]], marker=".", label=name)
+        line, = ax_val.plot(epochs, [v[name] for v in state.val], marker=".", label=name)
         ax_val.axhline(popularity_val[name], color=line.get_color(), ls="--", lw=0.8, label=f"popularity {name}")
-    ax_val.set(xlabel="epoch", title="validation (full catalog)")
+    ax_val.set(xlabel="epoch", ylabel="metric on the validation users (0-1)", title="validation (full catalog)")
     ax_val.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def parse_args(argv=None) -> TrainConfig:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for field in dataclasses.fields(TrainConfig):
-        flag = "--" + field.name.replace("_", "-")
-        if isinstance(field.default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
-        else:
-            parser.add_argument(flag, type=type(field.default), default=field.default)
-    return TrainConfig(**vars(parser.parse_args(argv)))
+# ----------------------------------------------------------------------------- the run
+
+
+def train(cfg: TrainConfig, *, after_step: Callable[[int], None] | None = None) -> dict:
+    """Trains, validates each epoch, tests the best epoch; returns what metrics.json holds.
+
+    Args:
+        cfg: the run's settings.
+        after_step: called with the step number after each optimizer step and its checkpoint (if
+            any). Not a command-line option: tests pass one that raises, to kill a run mid-epoch.
+
+    Returns:
+        The metrics, configuration and history written to `<out_dir>/metrics.json`.
+
+    Raises:
+        ResumeError: --resume with an incompatible checkpoint.
+    """
+    t_start = time.time()
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mesh = make_mesh(cfg.mesh)  # before any XLA tensor exists: SPMD must be on first
+    device = get_device(cfg.device)
+
+    ds, windows, exclude_seen = load_data(cfg)
+    model, optimizer, pos_weight = build_model(cfg, ds.num_items, device, mesh)
+    run = Run(cfg, ds, windows, exclude_seen, device, mesh, model, optimizer, pos_weight, out_dir)
+    print(f"{ds.name}: {ds.num_users} users, {ds.num_items} items, {len(ds.items)} events, "
+          f"{len(windows)} training windows of {cfg.max_len}, {run.steps_per_epoch} steps/epoch, "
+          f"exclude_seen={exclude_seen}")
+
+    state = start_or_resume(run)
+    while state.epoch < cfg.epochs and not state.done:
+        train_one_epoch(run, state, after_step)
+        val = validate(run, state)
+        print(f"epoch {state.epoch:3d} | loss {state.val[-1]['train_loss']:.6f} | val {format_metrics(val)} | "
+              f"best epoch {state.best_epoch} | {state.positions_per_s():.0f} pos/s | {time.time() - t_start:.0f}s")
+        state.epoch += 1
+        state.step_in_epoch = 0
+        save_checkpoint(run, state)
+    return test_and_report(run, state, t_start)
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def main(argv=None) -> int:
+    cfg = parse_args(argv, description=__doc__)
+    try:
+        train(cfg)
+    except ResumeError as error:
+        print(f"examples/train.py: error: {error}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
     sys.stdout.reconfigure(line_buffering=True)  # epoch lines show up live in CI logs and pipes
-    try:
-        train(parse_args())
-    except SimulatedKill as e:
-        print(e, file=sys.stderr)
-        os._exit(137)
+    sys.exit(main())

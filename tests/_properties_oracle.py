@@ -1,6 +1,6 @@
 """The float64 oracle of the exact-as-dense rule (`parity.assert_exact_as_dense`), in numpy.
 
-`float64_oracle` computes DESIGN.md section 2 from its definition on the materialized logits, with
+`float64_oracle` computes docs/design.md's 'The math' from its definition on the materialized logits, with
 the stable softplus (never softplus(z) - z) and the gradients' dz formula, and the error scales the
 rule needs. `dense_same_dtype` is torch's `binary_cross_entropy_with_logits` on the materialized
 logits in the dtype under test: "the dense reference in the same dtype". Neither uses the fast paths.
@@ -60,7 +60,7 @@ class Oracle:
 
 
 def float64_oracle(inputs, *, dtype, reduction, upstream, return_metrics=True):
-    """DESIGN.md section 2 in numpy float64 on the materialized logits, with its gradients.
+    """docs/design.md's 'The math' in numpy float64 on the materialized logits, with its gradients.
 
     `inputs`: numpy arrays hidden `[*S, D]`, item_weight `[V, D]`, targets `[*S, L]` and any of
     bias, weight, class_weight, pos_weight, holding values already rounded to `dtype` (the fast

@@ -43,7 +43,7 @@ def cases() -> dict[str, dict]:
 
 
 def truth(case) -> dict[str, np.ndarray]:
-    """float64 rows and the gradients of `sum_n g[n] rows[n]` (DESIGN.md section 2), branch by branch."""
+    """float64 rows and the gradients of `sum_n g[n] rows[n]` (docs/design.md, 'The math'), branch by branch."""
     h, e = case["hidden"], case["item_weight"]
     z = h @ e.T
     y = np.zeros_like(z, dtype=bool)

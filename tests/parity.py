@@ -78,7 +78,7 @@ def assert_close(fast, reference, truth=None, *, dtype: str, name: str) -> None:
         assert not missing, f"{name}: results differ in keys {sorted(missing)}"
         for key in reference:
             sub_truth = None if truth is None else truth[key]
-            # Metric counts are float32 by contract (DESIGN.md, Metrics), whatever the input dtype.
+            # Metric counts are float32 by contract (docs/design.md, 'Metrics'), whatever the input dtype.
             sub_dtype = "float32" if key in METRIC_NAMES and dtype == "float64" else dtype
             assert_close(fast[key], reference[key], sub_truth, dtype=sub_dtype, name=f"{name}:{key}")
         return
@@ -328,7 +328,7 @@ def _failure(name, rule, index, fast, dense, truth):
 
 
 def assert_exact_as_dense(fast, dense, oracle, *, dtype: str, name: str) -> None:
-    """The exact-as-dense rule (DESIGN.md section 2, Precision) for one example's results.
+    """The exact-as-dense rule (docs/design.md, 'Precision') for one example's results.
 
     `fast`: {name: array} from the path under test; `dense`: `dense_same_dtype`'s results on the
     same inputs; `oracle`: `float64_oracle`'s (both in tests/_properties_oracle.py).

@@ -13,6 +13,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -23,7 +25,10 @@ def _run(args, timeout=300):
     return done.stdout
 
 
+@pytest.mark.jax  # the quick preset times every provider: jax_blocked, and the bridge's two
+@pytest.mark.xla
 def test_bench_quick_writes_table_csv_and_plots(tmp_path):
+    pytest.importorskip("matplotlib", reason="bench.py's plots need the [examples] extra")
     out = _run([BENCHMARKS / "bench.py", "--quick", "--out-dir", tmp_path])
     assert "median ms" in out
     with (tmp_path / "results.csv").open() as f:

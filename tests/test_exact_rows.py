@@ -105,12 +105,14 @@ def test_native_scalar_reductions(name):
         assert loss.item() == 0.0
 
 
+@pytest.mark.jax
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_jax_blocked(name, dtype):
     check("jax blocked", name, dtype, *run_jax(name, dtype, impl="blocked", block_v=16))
 
 
+@pytest.mark.jax
 @pytest.mark.parametrize("name", list(CASES))
 def test_pallas_interpret(name):
     check("pallas", name, "float32", *run_jax(name, "float32", impl="pallas"))
@@ -137,7 +139,7 @@ def worker_results(tmp_path_factory):
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("path", ["jax sharded 2x2", "vocab-parallel 2 ranks"])
+@pytest.mark.parametrize("path", [pytest.param("jax sharded 2x2", marks=pytest.mark.jax), "vocab-parallel 2 ranks"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_sharded_paths(worker_results, path, name):
     if name == "single" and path.startswith("vocab"):

@@ -1,8 +1,11 @@
-"""examples/: one training step of each model, CutBCE vs dense, resume equivalence, bad configs, XLA."""
+"""examples/: one training step of each model, CutBCE vs dense, resume equivalence, bad configs, the
+command line, XLA."""
 
 import dataclasses
+import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +16,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `examples` is not an installed package
 
-from examples import data, train  # noqa: E402
+EXAMPLES_EXTRA = "examples/train.py needs the [examples] extra: pip install 'torch-cutbce[examples]'"
+for _module in ("tqdm", "matplotlib"):  # the training script's progress bar and curves
+    pytest.importorskip(_module, reason=EXAMPLES_EXTRA)
+
+from examples import config, data, train  # noqa: E402
+
+if importlib.util.find_spec("torch_xla") is not None:
+    # Start torch_xla's runtime before any backward, as test_exact_rows.py does: autograd sizes its
+    # per-device queues at its first backward, and an XLA backward after a CPU one in a process
+    # that had not started torch_xla then fails an internal assert.
+    import torch_xla
+
+    torch_xla.device()
 from examples.bert4rec import BERT4Rec  # noqa: E402
 from examples.sasrec import RecConfig, SASRec  # noqa: E402
 
@@ -81,17 +96,28 @@ def final_state(out_dir):
     return ckpt["model"], ckpt["state"]
 
 
-@pytest.mark.parametrize("model, kill_after", [("sasrec", 5), ("bert4rec", 8)])
-def test_resume_after_kill_equals_uninterrupted_run(tmp_path, model, kill_after):
+class SimulatedKill(BaseException):
+    """Raised from train()'s after_step hook; BaseException, so no `except Exception` swallows it."""
+
+
+def kill_after(steps: int):
+    """An after_step hook that ends the run abruptly after `steps` steps, like a kill -9."""
+    def after_step(step):
+        if step == steps:
+            raise SimulatedKill(f"killed after step {step}")
+    return after_step
+
+
+@pytest.mark.parametrize("model, kill_after_steps", [("sasrec", 5), ("bert4rec", 8)])
+def test_resume_after_kill_equals_uninterrupted_run(tmp_path, model, kill_after_steps):
     """Kill mid-epoch (work since the last checkpoint is lost), resume: bitwise the same run."""
     straight = train.train(tiny_config(tmp_path / "a", model=model, ckpt_every=3))
-    killed = tiny_config(tmp_path / "b", model=model, ckpt_every=3, kill_after_steps=kill_after)
-    with pytest.raises(train.SimulatedKill):
-        train.train(killed)
+    with pytest.raises(SimulatedKill):
+        train.train(tiny_config(tmp_path / "b", model=model, ckpt_every=3), after_step=kill_after(kill_after_steps))
     resumed = train.train(tiny_config(tmp_path / "b", model=model, ckpt_every=3, resume=True))
     params_a, state_a = final_state(tmp_path / "a" / "run")
     params_b, state_b = final_state(tmp_path / "b" / "run")
-    assert state_a["step"] == state_b["step"] > kill_after
+    assert state_a["step"] == state_b["step"] > kill_after_steps
     for name in params_a:
         assert torch.equal(params_a[name], params_b[name]), name
     assert state_a["losses"] == state_b["losses"]
@@ -121,7 +147,13 @@ def test_run_writes_metrics_and_curves(tmp_path):
         (dict(bert_labels=0), "--bert-labels must be >= 1"),
         (dict(max_len=0), "--max-len must be >= 1"),
         (dict(exclude_seen="maybe"), "--exclude-seen"),
-        (dict(dim=30, num_heads=4), "divisible by num_heads"),
+        (dict(dim=30, num_heads=4), "--dim 30 must be divisible by --num-heads 4"),
+        (dict(synthetic_items=-5), "--synthetic-items must be >= 1, got -5"),
+        (dict(num_layers=-1), "--num-layers must be >= 0"),
+        (dict(dropout=1.0), r"--dropout must be in \[0, 1\), got 1.0"),
+        (dict(lr=0.0), "--lr must be > 0"),
+        (dict(dataset="yambda"), "--dataset yambda needs --data-path"),
+        (dict(data_path="/no/such/file.inter"), "--data-path '/no/such/file.inter' does not exist"),
     ],
 )
 def test_bad_configs_raise_clear_errors(tmp_path, overrides, message):
@@ -132,6 +164,42 @@ def test_bad_configs_raise_clear_errors(tmp_path, overrides, message):
 def test_command_line_parsing():
     cfg = train.parse_args(["--model", "bert4rec", "--k", "4", "--resume", "--pos-weight", "2.5"])
     assert (cfg.model, cfg.k, cfg.resume, cfg.pos_weight, cfg.dataset) == ("bert4rec", 4, True, 2.5, "ml-100k")
+    assert train.parse_args([]) == train.TrainConfig()  # the flags' defaults are the config's
+
+
+def test_every_flag_has_help_and_its_default():
+    parser = config.build_parser()
+    flags = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    assert {a.dest for a in flags} == {f.name for f in dataclasses.fields(train.TrainConfig)}
+    text = " ".join(parser.format_help().split())  # undo the line wrapping
+    for action in flags:
+        assert action.help, action.dest
+        if action.default != "":  # an empty default is explained in the help instead
+            assert f"(default: {action.default})" in text, action.dest
+    for closed in ("--model {sasrec,bert4rec}", "--loss {cutbce,dense}", "--device {cpu,xla}",
+                   "--dataset {ml-100k,yambda,synthetic}", "--exclude-seen {auto,yes,no}"):
+        assert closed in text
+    assert "--kill" not in text  # test hooks are not user options
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "foo"], "argument --model: invalid choice: 'foo'"),
+        (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+        (["--batch-size", "-3"], "--batch-size must be >= 1, got -3"),
+        (["--dim", "many"], "argument --dim: invalid int value: 'many'"),
+        (["--mask-prob", "1.5"], r"--mask-prob must be in \(0, 1\], got 1.5"),
+        (["--mesh", "2x2"], "--mesh takes DATAxMODEL device counts"),
+    ],
+)
+def test_bad_flags_exit_with_a_usage_error(capsys, argv, message):
+    """The script's own command line: a usage line and the message on stderr, exit status 2, no traceback."""
+    with pytest.raises(SystemExit) as exit_info:
+        train.parse_args(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "usage: examples/train.py" in err and "Traceback" not in err
+    assert re.search(message, err), err
 
 
 @pytest.fixture

@@ -5,13 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch_xla
-import torch_xla.debug.metrics as xla_metrics
 
-import jax_kernels
-import torch_cutbce as tc
-from parity import assert_close
-from torch_cutbce import xla_bridge
+# torch_xla first: it must be imported before jax (torch_xla's jax_import_guard).
+torch_xla = pytest.importorskip("torch_xla", reason="needs torch_xla: pip install 'torch-cutbce[xla]'")
+import torch_xla.debug.metrics as xla_metrics  # noqa: E402
+
+import jax_kernels  # noqa: E402
+import torch_cutbce as tc  # noqa: E402
+from parity import assert_close  # noqa: E402
+from torch_cutbce import xla_bridge  # noqa: E402
 
 pytestmark = pytest.mark.xla
 

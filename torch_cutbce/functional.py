@@ -76,7 +76,7 @@ def cut_bce_with_logits(
 ):
     """`BCEWithLogitsLoss(hidden @ item_weight.T + bias, multi_hot(targets))` without building the logits.
 
-    The loss and its gradients are exact (formula: `jax_kernels/reference.py`, DESIGN.md section 2);
+    The loss and its gradients are exact (formula: `jax_kernels/reference.py`, docs/design.md, 'The math');
     extra memory is O(N x block_v), not O(N x V).
 
     Args:

@@ -1,7 +1,7 @@
 """Where the positives are, and their own terms: padded target ids -> ids per row -> per tile.
 
-The positives are taken out of the dense pass inside the tile where they fall (DESIGN.md
-section 2, Precision): `TilePositives` reads each positive's logit from the tile and sets it to
+The positives are taken out of the dense pass inside the tile where they fall (docs/design.md,
+'How each engine stays exact'): `TilePositives` reads each positive's logit from the tile and sets it to
 -inf there (softplus(-inf) = sigmoid(-inf) = 0: the tile's elementwise work sees negatives only);
 `positive_terms` then gives each positive its own branch, `cw pw softplus(-z)`, from that logit.
 No `softplus(z)` is summed and `z` subtracted later, so a confident positive's tiny loss is never

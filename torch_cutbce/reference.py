@@ -1,6 +1,6 @@
 """Dense PyTorch reference: `binary_cross_entropy_with_logits` on materialized logits (test oracle).
 
-The formula is stated once, in `jax_kernels/reference.py` (DESIGN.md section 2). This module
+The formula is stated once, in `jax_kernels/reference.py` (docs/design.md, 'The math'). This module
 builds the `[N, V]` logits, the dense multi-hot target and the `[N, V]` weight, and hands them to
 torch's own BCE, so it is independent of every fast path (it never imports them). It is also
 `backend='dense'` of `cut_bce_with_logits`: the "before" code that CutBCE replaces.

@@ -1,0 +1,157 @@
+"""The training example's settings: one dataclass whose fields are also its command-line flags.
+
+Each `TrainConfig` field carries its default, its help text and, where the set is closed, its
+choices; `build_parser` makes one flag per field (`--max-len` for `max_len`) and `parse_args` turns a
+bad value into a usage error that names the flag. `examples/train.py --help` lists them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from examples import data
+
+MODEL_NAMES = ("sasrec", "bert4rec")
+
+
+def option(default, help: str, **argparse_kwargs):
+    """A TrainConfig field that is also a command-line flag: its default, help and argparse extras."""
+    return field(default=default, metadata=dict(help=help, **argparse_kwargs))
+
+
+@dataclass
+class TrainConfig:
+    """Every setting of a run; each field is the flag `--field-name` (see `build_parser`)."""
+
+    # the run
+    model: str = option("sasrec", "the sequence model", choices=MODEL_NAMES)
+    dataset: str = option("ml-100k", "the data set (synthetic: Zipf-popular items, for any catalog size)",
+                          choices=data.DATASETS)
+    data_path: str = option("", "ml-100k: a local ml-100k.inter or the recbole wheel (empty: download the wheel "
+                                "into ~/.cache/torch-cutbce); yambda: the parquet file or folder (required)")
+    synthetic_items: int = option(100_000, "--dataset synthetic: catalog size V")
+    synthetic_users: int = option(10_000, "--dataset synthetic: number of users")
+    loss: str = option("cutbce", "cutbce, or dense: the materialized BCEWithLogitsLoss it replaces (the A/B)",
+                       choices=("cutbce", "dense"))
+    device: str = option("cpu", "cpu, or xla: torch_xla (a TPU, or PJRT_DEVICE=CPU)", choices=("cpu", "xla"))
+    mesh: str = option("", "with --device xla: DATAxMODEL devices for torch_xla SPMD, e.g. 2x2 (the item table "
+                           "split along V over MODEL); empty: one device")
+    out_dir: str = option("", "where checkpoints, metrics.json and curves.png go (empty: "
+                              "runs/<model>-<dataset>-<loss>-seed<seed>)")
+    resume: bool = option(False, "continue from <out-dir>/ckpt.pt if it exists (exactly: same result as no kill)")
+    seed: int = option(0, "initialization, data order, dropout and masks (the data split does not depend on it)")
+    # data
+    holdout: int = option(1, "leave-h-out: the last h items of each user are its test items, the h before "
+                             "them its validation items")
+    k: int = option(8, "SASRec's positives per position (the next k items); also the k of the Hit@k metric")
+    bert_labels: int = option(1, "BERT4Rec's positives per masked position: its item and the bert-labels - 1 "
+                                 "items after it")
+    max_len: int = option(50, "sequence length T the model sees")
+    mask_prob: float = option(0.2, "BERT4Rec: probability that an item is replaced by [MASK], in (0, 1]")
+    # model
+    dim: int = option(64, "hidden size D")
+    num_layers: int = option(2, "Transformer blocks")
+    num_heads: int = option(1, "attention heads (must divide --dim)")
+    dropout: float = option(0.2, "dropout probability, in [0, 1)")
+    item_bias: bool = option(True, "a learned score offset per item (--no-item-bias: item vectors only)")
+    # optimization
+    epochs: int = option(20, "passes over the training windows")
+    batch_size: int = option(64, "sequences per step")
+    lr: float = option(3e-3, "Adam learning rate")
+    weight_decay: float = option(0.0, "Adam weight decay (L2)")
+    pos_weight: float = option(1.0, "BCE weight of the positive term (negatives outnumber positives V / k to 1)")
+    block_v: int = option(0, "CutBCE vocabulary tile width (0: the library's default)")
+    # evaluation and checkpoints
+    eval_batch_size: int = option(256, "users per evaluation batch")
+    exclude_seen: str = option("auto", "drop already-seen items from rankings (auto: yes unless the data has "
+                                       "repeat consumption)", choices=("auto", "yes", "no"))
+    patience: int = option(0, "stop after this many epochs without a better validation NDCG@10 (0: never)")
+    ckpt_every: int = option(0, "also checkpoint every this many steps (0: at the end of each epoch only)")
+    max_steps: int = option(0, "stop after this many optimizer steps in all (0: no limit)")
+    num_threads: int = option(0, "torch CPU threads (0: torch's default)")
+
+    @property
+    def labels(self) -> int:
+        """Width of the positive-id lists `[B, T, labels]` the loss gets."""
+        return self.k if self.model == "sasrec" else self.bert_labels
+
+    def __post_init__(self):
+        """Checks every value, so a bad one fails here with its flag's name, not deep inside the run.
+
+        Raises:
+            ValueError: a value out of its range or set.
+        """
+        for name, allowed in (("model", MODEL_NAMES), ("dataset", data.DATASETS), ("loss", ("cutbce", "dense")),
+                              ("device", ("cpu", "xla"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"unknown --{name} {getattr(self, name)!r}; choose one of {', '.join(allowed)}")
+        if self.exclude_seen not in ("auto", "yes", "no"):
+            raise ValueError(f"--exclude-seen must be auto, yes or no, got {self.exclude_seen!r}")
+        if self.mesh and (self.device != "xla" or not re.fullmatch(r"\d+x\d+", self.mesh)):
+            raise ValueError(f"--mesh takes DATAxMODEL device counts (e.g. 2x2) with --device xla, got {self.mesh!r}")
+        if self.dataset == "yambda" and not self.data_path:
+            raise ValueError("--dataset yambda needs --data-path (the parquet file or folder)")
+        if self.data_path and not Path(self.data_path).exists():
+            raise ValueError(f"--data-path {self.data_path!r} does not exist")
+        at_least = {name: 1 for name in ("k", "bert_labels", "holdout", "max_len", "batch_size", "eval_batch_size",
+                                         "epochs", "synthetic_items", "synthetic_users", "dim", "num_heads")}
+        at_least.update({name: 0 for name in ("num_layers", "block_v", "patience", "ckpt_every", "max_steps",
+                                              "num_threads")})
+        for name, low in at_least.items():
+            if getattr(self, name) < low:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}")
+        if self.dim % self.num_heads:
+            raise ValueError(f"--dim {self.dim} must be divisible by --num-heads {self.num_heads}")
+        if self.model == "bert4rec" and self.max_len < 2:
+            raise ValueError("bert4rec needs --max-len >= 2 (the history plus the appended [MASK])")
+        for name, ok, rule in (("mask_prob", 0 < self.mask_prob <= 1, "in (0, 1]"), ("lr", self.lr > 0, "> 0"),
+                               ("pos_weight", self.pos_weight > 0, "> 0"),
+                               ("dropout", 0 <= self.dropout < 1, "in [0, 1)"),
+                               ("weight_decay", self.weight_decay >= 0, ">= 0")):
+            if not ok:
+                raise ValueError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(self, name)}")
+        if not self.out_dir:
+            self.out_dir = f"runs/{self.model}-{self.dataset}-{self.loss}-seed{self.seed}"
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows each flag's default, except empty ones (their help says what empty means); keeps the
+    module docstring's line breaks."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default in ("", None) else super()._get_help_string(action)
+
+
+# Flag groups of --help, by the first field of each.
+GROUPS = {"model": "run", "holdout": "data", "dim": "model", "epochs": "optimization",
+          "eval_batch_size": "evaluation, checkpoints and threads"}
+
+
+def build_parser(description: str = "") -> argparse.ArgumentParser:
+    """One flag per TrainConfig field, with its help, default and choices."""
+    parser = argparse.ArgumentParser(prog="examples/train.py", description=description, formatter_class=HelpFormatter)
+    group = parser
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in GROUPS:
+            group = parser.add_argument_group(GROUPS[f.name])
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(f.default, bool):
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                               help=f.metadata["help"])
+        else:
+            group.add_argument(flag, type=type(f.default), default=f.default, **f.metadata)
+    return parser
+
+
+def parse_args(argv=None, description: str = "") -> TrainConfig:
+    """Command line -> TrainConfig; a bad value exits with a usage message naming the flag (status 2)."""
+    parser = build_parser(description)
+    args = parser.parse_args(argv)
+    try:
+        return TrainConfig(**vars(args))
+    except ValueError as error:
+        parser.error(str(error))
