@@ -167,3 +167,8 @@ def default_block_v(num_positions: int, num_items: int, tile_bytes: int = 16 << 
     columns = tile_bytes // (4 * max(num_positions, 1))
     columns = max(128, (columns // 128) * 128)
     return min(columns, num_items)
+
+
+def tile_width(block_v: int | None, num_positions: int, num_items: int) -> int:
+    """The vocabulary tile every engine uses: the user's `block_v`, else `default_block_v`; at most V."""
+    return min(block_v or default_block_v(num_positions, num_items), num_items)

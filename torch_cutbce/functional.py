@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from jax_kernels.shapes import default_block_v, reduction_divisor
+from jax_kernels.shapes import reduction_divisor, tile_width
 from torch_cutbce import arguments, ops
 from torch_cutbce.arguments import BACKENDS  # noqa: F401  (re-exported by torch_cutbce)
 from torch_cutbce.metrics import CutBCEMetrics
@@ -39,7 +39,7 @@ def _native(flat, weight, *, reduction, n, num_items, block_v, return_metrics):
         hidden, targets = hidden.index_select(0, kept), targets.index_select(0, kept)
         w = w.index_select(0, kept)
     # The default tile is sized for the rows that reach the tiles (fewer rows: wider tiles).
-    block_v = min(block_v or default_block_v(hidden.shape[0], num_items), num_items)
+    block_v = tile_width(block_v, hidden.shape[0], num_items)
     if reduction != "none" and n > 0:
         # Gradients computed during the forward (native.loss_and_grads); weight and reduction inside.
         loss, counts = ops.loss(hidden, item_weight, bias, w, class_weight, pos_weight, targets,
@@ -149,7 +149,7 @@ def cut_bce_with_logits(
     if vocab_parallel is not None:
         rows, counts = vocab_parallel_rows(
             *flat, options=vocab_parallel, compute_metrics=return_metrics,
-            block_v=min(size.block_v or default_block_v(n, size.num_items), size.num_items))
+            block_v=tile_width(size.block_v, n, size.num_items))
         return reduce_rows(rows, counts, weight, reduction, size.lead_shape, vocab_parallel.num_items,
                            return_metrics)
     if backend == "native":
@@ -161,7 +161,7 @@ def cut_bce_with_logits(
     else:
         from torch_cutbce import xla_bridge  # the one module that imports torch_xla and jax
 
-        block_v = min(size.block_v or default_block_v(n, size.num_items), size.num_items)
+        block_v = tile_width(size.block_v, n, size.num_items)
         if reduction != "none" and n > 0 and xla_bridge.one_pass(backend, hidden.dtype, mesh):
             return _xla_one_pass(flat, weight, reduction=reduction, n=n, num_items=size.num_items,
                                  block_v=block_v, return_metrics=return_metrics)

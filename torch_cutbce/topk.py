@@ -15,13 +15,7 @@ from __future__ import annotations
 
 import torch
 
-# Default tile: a float32 [N, block_v] tile of about 16 MiB, as the loss uses.
-_TILE_BYTES = 16 * 2**20
-
-
-def _default_block_v(num_positions: int, num_items: int, k: int) -> int:
-    block_v = max(_TILE_BYTES // (4 * max(num_positions, 1)), 1024)
-    return max(min(block_v, num_items), k)
+from jax_kernels.shapes import tile_width
 
 
 def _exclude_in_tile(scores: torch.Tensor, exclude: torch.Tensor, start: int) -> torch.Tensor:
@@ -113,7 +107,7 @@ def full_catalog_topk(
         exclude = exclude.reshape(h.shape[0], -1).long()
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     h = h.to(acc)
-    block_v = max(block_v or _default_block_v(h.shape[0], num_items, k), k)
+    block_v = max(tile_width(block_v, h.shape[0], num_items), k)  # the loss's tile, at least k wide
 
     check_ties = h.device.type != "xla"
     best_scores = best_ids = None
