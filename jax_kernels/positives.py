@@ -12,10 +12,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax_kernels.shapes import accumulation_dtype_name
+
 
 def accumulation_dtype(dtype) -> jnp.dtype:
-    """float64 stays float64; everything else (float32, bfloat16, float16) accumulates in float32."""
-    return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
+    """`shapes.accumulation_dtype_name` for a JAX dtype."""
+    return jnp.dtype(accumulation_dtype_name(jnp.dtype(dtype).name))
 
 
 def positive_ids(targets: jax.Array, num_items: int) -> jax.Array:

@@ -172,3 +172,8 @@ def default_block_v(num_positions: int, num_items: int, tile_bytes: int = 16 << 
 def tile_width(block_v: int | None, num_positions: int, num_items: int) -> int:
     """The vocabulary tile every engine uses: the user's `block_v`, else `default_block_v`; at most V."""
     return min(block_v or default_block_v(num_positions, num_items), num_items)
+
+
+def accumulation_dtype_name(dtype_name: str) -> str:
+    """Where every engine sums: float64 stays float64; float32, bfloat16 and float16 accumulate in float32."""
+    return "float64" if dtype_name == "float64" else "float32"

@@ -8,6 +8,7 @@ from jax_kernels.shapes import reduction_divisor, tile_width
 from torch_cutbce import arguments, ops
 from torch_cutbce.arguments import BACKENDS  # noqa: F401  (re-exported by torch_cutbce)
 from torch_cutbce.metrics import CutBCEMetrics
+from torch_cutbce.positives import accumulation_dtype
 from torch_cutbce.reduction import reduce_rows
 from torch_cutbce.reference import dense_bce_with_logits
 from torch_cutbce.vocab_parallel import VocabParallelOptions, vocab_parallel_rows
@@ -177,7 +178,7 @@ def _xla_one_pass(flat, weight, *, reduction, n, num_items, block_v, return_metr
     from torch_cutbce import xla_bridge
 
     hidden = flat[0]
-    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(hidden.dtype)
     w = torch.ones(n, dtype=acc, device=hidden.device) if weight is None else weight.reshape(n).to(acc)
     row_weight = w / reduction_divisor(reduction, n, num_items)
     loss, counts = xla_bridge.cut_bce_weighted_sum(*flat, row_weight, block_v=block_v,

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import torch
 
+from jax_kernels.shapes import accumulation_dtype_name
+
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 stays float64; float32, bfloat16 and float16 accumulate in float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+    """`shapes.accumulation_dtype_name` for a torch dtype."""
+    return getattr(torch, accumulation_dtype_name(str(dtype).removeprefix("torch.")))
 
 
 def positive_ids(targets: torch.Tensor, num_items: int, offset: int = 0) -> torch.Tensor:

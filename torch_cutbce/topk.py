@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from jax_kernels.shapes import tile_width
+from torch_cutbce.positives import accumulation_dtype
 
 
 def _exclude_in_tile(scores: torch.Tensor, exclude: torch.Tensor, start: int) -> torch.Tensor:
@@ -105,7 +106,7 @@ def full_catalog_topk(
                 f"{tuple(exclude.shape)} {exclude.dtype}"
             )
         exclude = exclude.reshape(h.shape[0], -1).long()
-    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(hidden.dtype)
     h = h.to(acc)
     block_v = max(tile_width(block_v, h.shape[0], num_items), k)  # the loss's tile, at least k wide
 

@@ -38,6 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jax_kernels.core as jax_core  # noqa: E402
+from torch_cutbce.positives import accumulation_dtype  # noqa: E402
 import jax_kernels.sharded as jax_sharded  # noqa: E402
 
 _trace_count = 0
@@ -119,7 +120,7 @@ def _static(block_v, compute_metrics, impl, mesh_shape, mesh_axes, vocab_axis, d
 
 
 def _rows_dtype(hidden: torch.Tensor) -> torch.dtype:
-    return torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    return accumulation_dtype(hidden.dtype)
 
 
 # The mesh travels as plain values (custom ops take ints, lists of ints and strings):
