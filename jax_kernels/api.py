@@ -28,7 +28,7 @@ def resolve_impl(impl: str, dtype) -> str:
     return "blocked"
 
 
-def _row_weight(weight, reduction, num_positions, num_items, dtype):
+def scalar_row_weight(weight, reduction, num_positions, num_items, dtype):
     """Each row's factor in the scalar loss: weight (or 1) over the reduction's divisor (as reduce_rows)."""
     acc = accumulation_dtype(dtype)
     w = jnp.ones((num_positions,), acc) if weight is None else weight.reshape(num_positions).astype(acc)
@@ -121,9 +121,11 @@ def cut_bce(
         class_weight,
         jax.lax.stop_gradient(pos_weight) if pos_weight is not None else None,
     )
-    if reduction != "none" and config.impl == "blocked" and n > 0:
-        # A scalar loss: gradients computed during the forward (core.cut_bce_weighted_sum).
-        loss, counts = cut_bce_weighted_sum(config, *operands, _row_weight(weight, reduction, n, size.num_items, hidden.dtype))
+    if reduction != "none" and n > 0:
+        # A scalar loss: gradients computed during the forward (core.cut_bce_weighted_sum), with
+        # one pass over the tiles fewer than forward then backward, blocked or Pallas.
+        row_weight = scalar_row_weight(weight, reduction, n, size.num_items, hidden.dtype)
+        loss, counts = cut_bce_weighted_sum(config, *operands, row_weight)
     else:
         # N = 0 comes here too: 'mean' is then 0 / 0 = nan (as torch) with zero gradients.
         rows, counts = cut_bce_rows(config, *operands)

@@ -7,7 +7,8 @@ module-level functions and must stay so). The backward never re-runs the whole f
 recomputes the logit tiles for the gradient, nothing else. Every engine computes each element's
 exact loss inside its tile, positives included (`positives.py`).
 `cut_bce_weighted_sum` serves the scalar reductions: their row gradients are known up front, so
-`cut_bce_value_and_grad` computes loss and gradients in one pass over the tiles.
+`cut_bce_value_and_grad` computes loss and gradients with one fewer pass over the tiles (blocked:
+one loop instead of two; Pallas: two kernels instead of three).
 
 Per-position `weight` is not seen here: rows are computed with `w[n, v] = class_weight[v]`, and the
 caller multiplies by `weight[n]` in plain JAX / torch, where autodiff gives `weight` its gradient.
@@ -82,6 +83,22 @@ def _backward(config, hidden, item_weight, bias, class_weight, pos_weight, ids, 
     return blocked_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, g, block_v=config.block_v)
 
 
+def _value_and_grad(config, hidden, item_weight, bias, class_weight, pos_weight, ids, g):
+    """`(rows, counts [2, N] or None, d_hidden, d_item_weight, d_bias or None)` for a known g."""
+    if _runs_pallas(config, hidden):
+        from jax_kernels.pallas_background import pallas_background_value_and_grad
+
+        rows, predicted, hits, *grads = pallas_background_value_and_grad(
+            hidden, item_weight, bias, class_weight, pos_weight, ids, g,
+            compute_counts=config.compute_metrics, block_sizes=config.block_sizes,
+        )
+        return rows, (jnp.stack([predicted, hits]) if config.compute_metrics else None), *grads
+    return blocked_value_and_grad(
+        hidden, item_weight, bias, class_weight, pos_weight, ids, g,
+        block_v=config.block_v, compute_counts=config.compute_metrics,
+    )
+
+
 def _metric_counts(config, counted, ids, num_items):
     """`[4, N]` TP, FP, FN, TN from the tiles' `[predicted, hits]` (or the `[0, N]` placeholder)."""
     if not config.compute_metrics:
@@ -131,20 +148,21 @@ def cut_bce_backward(hidden, item_weight, targets, bias, class_weight, pos_weigh
 
 
 def cut_bce_value_and_grad(hidden, item_weight, targets, bias, class_weight, pos_weight, g, *, config: CutBCEConfig):
-    """`cut_bce_forward`'s `(rows, counts)` and the gradients for `g`, in one blocked loop.
+    """`cut_bce_forward`'s `(rows, counts)` and the gradients of `sum_n g[n] rows[n]`, in one pass.
 
-    For a row gradient `g [N]` known before the forward (scalar reductions): each logit tile is
-    computed once, not twice. Blocked implementation only (`config.impl == 'blocked'`). The
-    gradients stay in the accumulation dtype (float32 for bfloat16 inputs): the caller scales them
-    by the upstream scalar and rounds once, to each input's dtype.
+    For a row gradient `g [N]` known before the forward (scalar reductions) no tile is computed
+    for the loss alone: the blocked loop computes each logit tile once (three matmuls per tile,
+    not four), the Pallas path runs the d_hidden kernel, which also sums the rows and counts, and
+    the d_item kernel (four `N x V x D` matmul passes, not five).
+
+    Returns:
+      `((rows, counts), (d_hidden, d_item_weight, d_bias or None))`. The gradients stay in the
+      accumulation dtype (float32 for bfloat16 inputs), except the Pallas d_item_weight, which the
+      kernel rounds once to the table's dtype (a float32 copy would be a table-sized HBM buffer):
+      the caller scales them by the upstream scalar in float32 and rounds to each input's dtype.
     """
-    if config.impl != "blocked":
-        raise ValueError(f"cut_bce_value_and_grad runs the blocked loop only, got impl={config.impl!r}")
     ids = positives.positive_ids(targets, item_weight.shape[0])
-    rows, counted, *grads = blocked_value_and_grad(
-        hidden, item_weight, bias, class_weight, pos_weight, ids, g,
-        block_v=config.block_v, compute_counts=config.compute_metrics,
-    )
+    rows, counted, *grads = _value_and_grad(config, hidden, item_weight, bias, class_weight, pos_weight, ids, g)
     counts = _metric_counts(config, counted, ids, item_weight.shape[0])
     return (rows, counts), tuple(grads)
 
@@ -183,7 +201,7 @@ def cut_bce_weighted_sum(config, hidden, item_weight, targets, bias, class_weigh
 
     The scalar reductions ('mean': row_weight = weight / (N V); 'sum': = weight) know every row's
     gradient before the forward runs, so the differentiated forward is `cut_bce_value_and_grad`
-    (three matmuls per tile) and the backward only scales the saved gradients by the scalar
+    (one pass fewer over the tiles) and the backward only scales the saved gradients by the scalar
     cotangent. Without differentiation this is the plain forward. `row_weight` gets the rows as
     its gradient; class_weight and pos_weight are constants, as in `cut_bce_rows`.
     """
@@ -192,27 +210,54 @@ def cut_bce_weighted_sum(config, hidden, item_weight, targets, bias, class_weigh
 
 
 def _weighted_sum_fwd(config, hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight):
-    (rows, counts), grads = cut_bce_value_and_grad(
+    value_and_grad = cut_bce_value_and_grad(
         hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight, config=config
     )
-    loss = (rows * row_weight.astype(rows.dtype)).sum()
-    # Residuals: the gradients (the size of the inputs, in the accumulation dtype), rows and
-    # row_weight, and empty arrays that carry the inputs' dtypes; nothing of size N x block_v.
-    dtypes = tuple(None if x is None else jnp.zeros((0,), x.dtype) for x in (hidden, item_weight, bias))
-    return (loss, counts), (grads, dtypes, rows, row_weight)
+    return weighted_sum_and_residuals(value_and_grad, (hidden, item_weight, bias), row_weight)
 
 
 def _weighted_sum_bwd(config, residuals, cotangents):
-    grads, dtypes, rows, row_weight = residuals
-    g, _ = cotangents  # the scalar cotangent of the loss; the counts are not differentiable
-
-    def scaled(x, like):  # scaled in the accumulation dtype, then rounded once
-        return None if x is None else (x * g.astype(x.dtype)).astype(like.dtype)
-
-    d_hidden, d_item_weight, d_bias = (scaled(x, like) for x, like in zip(grads, dtypes))
-
-    d_row_weight = (rows * g).astype(row_weight.dtype)
+    d_hidden, d_item_weight, d_bias, d_row_weight = weighted_sum_cotangents(residuals, cotangents)
     return d_hidden, d_item_weight, None, d_bias, None, None, d_row_weight
 
 
 cut_bce_weighted_sum.defvjp(_weighted_sum_fwd, _weighted_sum_bwd)
+
+
+def weighted_sum_and_residuals(value_and_grad, differentiable, row_weight):
+    """The forward rule's output and residuals of a weighted-sum custom_vjp (here and on a mesh).
+
+    Args:
+      value_and_grad: `((rows, counts), (d_hidden, d_item_weight, d_bias or None))`, as
+        `cut_bce_value_and_grad` returns them for the row gradient `row_weight`.
+      differentiable: `(hidden, item_weight, bias or None)`, whose dtypes the gradients return in.
+      row_weight: `[N]`, each row's factor in the loss.
+
+    Returns:
+      `((loss, counts), residuals)`: residuals are the gradients (the size of the inputs), rows and
+      row_weight, and empty arrays that carry the inputs' dtypes; nothing of size N x block_v.
+    """
+    (rows, counts), grads = value_and_grad
+    loss = (rows * row_weight.astype(rows.dtype)).sum()
+    dtypes = tuple(None if x is None else jnp.zeros((0,), x.dtype) for x in differentiable)
+    return (loss, counts), (grads, dtypes, rows, row_weight)
+
+
+def weighted_sum_cotangents(residuals, cotangents):
+    """`(d_hidden, d_item_weight, d_bias or None, d_row_weight)` for the `(loss, counts)` cotangents:
+    the saved gradients scaled by the loss's scalar cotangent (the counts have none)."""
+    grads, dtypes, rows, row_weight = residuals
+    g, _ = cotangents
+
+    def scaled(x, like):
+        # Scaled in float32 or wider (the Pallas d_item_weight arrives in bfloat16 for a bfloat16
+        # table: a bfloat16 product would round the cotangent too), then rounded to the input's
+        # dtype: once, or for that bfloat16 table twice, the second time exactly when g is 1.
+        if x is None:
+            return None
+        acc = jnp.promote_types(x.dtype, jnp.float32)
+        return (x.astype(acc) * g.astype(acc)).astype(like.dtype)
+
+    d_hidden, d_item_weight, d_bias = (scaled(x, like) for x, like in zip(grads, dtypes))
+
+    return d_hidden, d_item_weight, d_bias, (rows * g).astype(row_weight.dtype)

@@ -20,6 +20,11 @@ Collectives, all outside the tile loop (a constant number per call, whatever V /
 - the reduction of the loss over positions (outside shard_map; XLA adds one all-reduce when the
   rows are sharded over the data axis).
 
+The scalar reductions ('mean', 'sum') know each row's gradient before the forward, so their
+gradient runs `core.cut_bce_value_and_grad` on every shard, one pass over the local tiles fewer
+(`sharded_weighted_sum`, the mesh twin of `core.cut_bce_weighted_sum`), with the same three psums
+in one shard_map; the backward rule only scales the saved gradients.
+
 Uneven sizes are padded here and the padding is made inert: items up to a multiple of the vocab
 shard count (zero rows, zero bias and class weight 0: a padded item has z = 0 and would otherwise add
 softplus(0) = log 2 to every row and a TN to the counts, so its class weight is 0 and the TN count is
@@ -28,8 +33,9 @@ upstream gradient is 0 and they add nothing to any gradient). 'mean' divides by 
 For the best step time choose V divisible by the vocab shard count (pad the table at model set-up):
 then no copy of the table is made.
 
-`sharded_forward` / `sharded_backward` are module-level twins of `core.cut_bce_forward` /
-`cut_bce_backward` (same arguments plus a static `layout`), used by the custom_vjp here and fit for
+`sharded_forward` / `sharded_backward` / `sharded_value_and_grad` are module-level twins of
+`core.cut_bce_forward` / `cut_bce_backward` / `cut_bce_value_and_grad` (same arguments plus a
+static `layout`), used by the custom_vjps here and fit for
 torch_xla's `call_jax`: under torch_xla SPMD the shard_map lowers to manual-sharding annotations that
 the torch_xla graph's SPMD partitioner honours, and an `AbstractMesh` is enough to lower it.
 """
@@ -46,9 +52,16 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_kernels.api import resolve_impl
+from jax_kernels.api import resolve_impl, scalar_row_weight
 from jax_kernels.arguments import prepare
-from jax_kernels.core import CutBCEConfig, cut_bce_backward, cut_bce_forward
+from jax_kernels.core import (
+    CutBCEConfig,
+    cut_bce_backward,
+    cut_bce_forward,
+    cut_bce_value_and_grad,
+    weighted_sum_and_residuals,
+    weighted_sum_cotangents,
+)
 from jax_kernels.reference import reduce_rows
 from jax_kernels.shapes import default_block_v
 
@@ -198,21 +211,17 @@ def _local_targets(layout: ShardedLayout, targets, num_local_items: int):
     return targets - offset.astype(targets.dtype)
 
 
-def _forward_body(layout, hidden, item_weight, targets, bias, class_weight, pos_weight):
-    local = _local_targets(layout, targets, item_weight.shape[0])
-    rows, counts = cut_bce_forward(hidden, item_weight, local, bias, class_weight, pos_weight, config=layout.config)
-    # One array, one all-reduce: counts are integers below 2**24, exact in float32 (and float64).
+def _summed_rows(layout, rows, counts):
+    """The rows and counts summed over the vocab shards, stacked `[1 + 4 or 1, N_local]`: one array,
+    one all-reduce (counts are integers below 2**24, exact in float32 and float64)."""
     stacked = jnp.concatenate([rows[None], counts.astype(rows.dtype)])
     if layout.vocab_shards > 1:
         stacked = lax.psum(stacked, layout.vocab_axis)
     return stacked
 
 
-def _backward_body(layout, hidden, item_weight, targets, bias, class_weight, pos_weight, g):
-    local = _local_targets(layout, targets, item_weight.shape[0])
-    d_hidden, d_items, d_bias = cut_bce_backward(
-        hidden, item_weight, local, bias, class_weight, pos_weight, g, config=layout.config
-    )
+def _summed_grads(layout, d_hidden, d_items, d_bias):
+    """`(d_hidden, d_item_weight, d_bias?)` summed where they are partial: two all-reduces."""
     # d_hidden[n] = sum_v dz[n, v] item_weight[v]: each vocab shard holds the sum over its items.
     if layout.vocab_shards > 1:
         d_hidden = lax.psum(d_hidden, layout.vocab_axis)
@@ -221,6 +230,26 @@ def _backward_body(layout, hidden, item_weight, targets, bias, class_weight, pos
     if layout.data_shards > 1:
         table_grads = lax.psum(table_grads, layout.data_axis)
     return (d_hidden, *table_grads)
+
+
+def _forward_body(layout, hidden, item_weight, targets, bias, class_weight, pos_weight):
+    local = _local_targets(layout, targets, item_weight.shape[0])
+    rows, counts = cut_bce_forward(hidden, item_weight, local, bias, class_weight, pos_weight, config=layout.config)
+    return _summed_rows(layout, rows, counts)
+
+
+def _backward_body(layout, hidden, item_weight, targets, bias, class_weight, pos_weight, g):
+    local = _local_targets(layout, targets, item_weight.shape[0])
+    grads = cut_bce_backward(hidden, item_weight, local, bias, class_weight, pos_weight, g, config=layout.config)
+    return _summed_grads(layout, *grads)
+
+
+def _value_and_grad_body(layout, hidden, item_weight, targets, bias, class_weight, pos_weight, g):
+    local = _local_targets(layout, targets, item_weight.shape[0])
+    (rows, counts), grads = cut_bce_value_and_grad(
+        hidden, item_weight, local, bias, class_weight, pos_weight, g, config=layout.config
+    )
+    return (_summed_rows(layout, rows, counts), *_summed_grads(layout, *grads))
 
 
 def _specs(layout):
@@ -245,11 +274,14 @@ def sharded_forward(hidden, item_weight, targets, bias, class_weight, pos_weight
     Module-level on purpose: the torch_xla bridge can hand it to `call_jax` (keyed by id). Returns
     `rows [N]` and counts `[4 or 0, N]`, each summed over the vocab shards, sharded over the data axis.
     """
-    n, num_items = hidden.shape[0], _catalog_size(layout, item_weight)
     args = _padded(layout, hidden, item_weight, targets, bias, class_weight, pos_weight)
     stacked = _shard_map(layout, _forward_body, P(None, layout.data_axis), with_g=False)(*args)
+    return _rows_and_counts(layout, stacked, hidden.shape[0], _catalog_size(layout, item_weight), args[1].shape[0])
+
+
+def _rows_and_counts(layout, stacked, n, num_items, padded_items):
+    """`(rows [N], counts [4 or 0, N])` from the shard_map's stacked `[1 + 4 or 1, padded N]`."""
     rows, counts = stacked[0, :n], stacked[1:, :n].astype(jnp.float32)
-    padded_items = args[1].shape[0]
     if layout.config.compute_metrics and padded_items != num_items:
         # Padding rows are zero (ours by construction, the caller's zeroed in _padded), so z = 0:
         # never a predicted positive, never a target. TN = rows - positives - FP therefore counted
@@ -275,6 +307,26 @@ def sharded_backward(hidden, item_weight, targets, bias, class_weight, pos_weigh
     return d_hidden, d_items, grads[2][:table_rows] if has_bias else None
 
 
+def sharded_value_and_grad(hidden, item_weight, targets, bias, class_weight, pos_weight, g, *,
+                           layout: ShardedLayout):
+    """`core.cut_bce_value_and_grad` on a mesh: `((rows, counts), (d_hidden, d_item_weight, d_bias
+    or None))`, global shapes, with one pass over each shard's tiles fewer than forward + backward.
+
+    One shard_map, the same psums as `sharded_forward` and `sharded_backward` together: the stacked
+    rows and counts and `d_hidden` over the vocab axis, the table's gradients over the data axis.
+    """
+    n, table_rows = hidden.shape[0], item_weight.shape[0]
+    args = _padded(layout, hidden, item_weight, targets, bias, class_weight, pos_weight)
+    # Padded positions get g = 0, so they add nothing to the table's gradient.
+    g = _pad_rows(g, args[0].shape[0])
+    pos, items, vec, _ = _specs(layout)
+    has_bias = bias is not None
+    out_specs = (P(None, layout.data_axis), pos, items) + ((vec,) if has_bias else ())
+    stacked, *grads = _shard_map(layout, _value_and_grad_body, out_specs, with_g=True)(*args, g)
+    rows_and_counts = _rows_and_counts(layout, stacked, n, _catalog_size(layout, item_weight), args[1].shape[0])
+    return rows_and_counts, (grads[0][:n], grads[1][:table_rows], grads[2][:table_rows] if has_bias else None)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def sharded_rows(layout, hidden, item_weight, targets, bias, class_weight, pos_weight):
     """Differentiable `sharded_forward` (the mesh twin of `core.cut_bce_rows`)."""
@@ -293,6 +345,29 @@ def _rows_bwd(layout, residuals, cotangents):
 
 
 sharded_rows.defvjp(_rows_fwd, _rows_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def sharded_weighted_sum(layout, hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight):
+    """`sum_n row_weight[n] rows[n]` and the counts on a mesh (the twin of `core.cut_bce_weighted_sum`):
+    differentiated, the forward rule is `sharded_value_and_grad`; otherwise the plain forward."""
+    rows, counts = sharded_forward(hidden, item_weight, targets, bias, class_weight, pos_weight, layout=layout)
+    return (rows * row_weight.astype(rows.dtype)).sum(), counts
+
+
+def _weighted_sum_fwd(layout, hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight):
+    value_and_grad = sharded_value_and_grad(
+        hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight, layout=layout
+    )
+    return weighted_sum_and_residuals(value_and_grad, (hidden, item_weight, bias), row_weight)
+
+
+def _weighted_sum_bwd(layout, residuals, cotangents):
+    d_hidden, d_items, d_bias, d_row_weight = weighted_sum_cotangents(residuals, cotangents)
+    return d_hidden, d_items, None, d_bias, None, None, d_row_weight
+
+
+sharded_weighted_sum.defvjp(_weighted_sum_fwd, _weighted_sum_bwd)
 
 
 def cut_bce_sharded(
@@ -365,8 +440,8 @@ def cut_bce_sharded(
         impl=resolve_impl(impl, hidden.dtype),
         block_sizes=block_sizes,
     )
-    rows, counts = sharded_rows(
-        ShardedLayout(mesh, vocab_axis, data_axis, config, None if catalog == size.num_items else catalog),
+    layout = ShardedLayout(mesh, vocab_axis, data_axis, config, None if catalog == size.num_items else catalog)
+    operands = (
         hidden.reshape(n, size.hidden_size),
         item_weight,
         targets.reshape(n, size.num_slots),
@@ -374,10 +449,17 @@ def cut_bce_sharded(
         None if class_weight is None else lax.stop_gradient(class_weight),
         None if pos_weight is None else lax.stop_gradient(pos_weight),
     )
+    if reduction != "none" and n > 0:
+        # A scalar loss: the gradients computed during the forward, on every shard.
+        row_weight = scalar_row_weight(weight, reduction, n, catalog, hidden.dtype)
+        loss, counts = sharded_weighted_sum(layout, *operands, row_weight)
+    else:
+        rows, counts = sharded_rows(layout, *operands)
+        if weight is not None:
+            rows = rows * weight.reshape(n).astype(rows.dtype)
+        loss = reduce_rows(rows, reduction, catalog).reshape(size.lead_shape if reduction == "none" else ())
     if weight is not None:
-        rows = rows * weight.reshape(n).astype(rows.dtype)
         counts = counts * weight.reshape(1, n).astype(counts.dtype)
-    loss = reduce_rows(rows, reduction, catalog).reshape(size.lead_shape if reduction == "none" else ())
     if not return_metrics:
         return loss
     if reduction == "none":

@@ -46,8 +46,9 @@ CASES = {
     "1d_data_only": _case((8,), ("data",), vocab_axis=None),
     "2x4_vocab_over_both_axes": _case((2, 4), DATA_MODEL, vocab_axis=DATA_MODEL, data_axis=None),
     "2x4_caller_padded_table": _case((2, 4), DATA_MODEL, pad_rows=3),
-    # The Pallas kernels (interpret mode on CPU) inside the same shard_map.
-    "2x4_pallas": _case((2, 4), DATA_MODEL, impl="pallas"),
+    # The Pallas kernels (interpret mode on CPU) inside the same shard_map; 'mean' and 'sum' run
+    # the one-pass kernels (sharded_weighted_sum), 'none' forward then backward.
+    "2x4_pallas": _case((2, 4), DATA_MODEL, impl="pallas", reductions=REDUCTIONS),
 }
 # Compiled-HLO check: 2 x 4 mesh, V = 4096 (1024 items per shard), block_v 64 (16 tiles) vs 512 (2).
 HLO_BLOCKS = (64, 512)

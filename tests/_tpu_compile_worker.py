@@ -2,10 +2,12 @@
 
 Runs as `PYTHONPATH=.venv/libtpu-overlay:. python tests/_tpu_compile_worker.py OUT.json [CHIP ...]`,
 so libtpu is loaded here and never in the pytest process. Every case is compiled (nothing runs)
-with `jax_kernels.tpu_compile.compile_for`: the raw `pallas_background_forward` and
-`pallas_background_backward`, and `jax.value_and_grad` of `jax_kernels.cut_bce(impl='pallas')`
-with respect to hidden, item_weight and bias. OUT.json gets one record per compile. Importing this
-module only defines the case table.
+with `jax_kernels.tpu_compile.compile_for`: the raw `pallas_background_forward`,
+`pallas_background_backward` and `pallas_background_value_and_grad` (the one-pass d_hidden kernel
+that also sums the rows), and `jax.value_and_grad` of `jax_kernels.cut_bce(impl='pallas')` with
+respect to hidden, item_weight and bias ('mean': the one-pass kernels again, under the
+custom_vjp). OUT.json gets one record per compile. Importing this module only defines the case
+table.
 """
 
 from __future__ import annotations
@@ -75,9 +77,13 @@ def _loss_and_grads(hidden, item_weight, targets, bias, class_weight, pos_weight
 
 
 def compile_case(chip, case):
-    """The three compiles of one case, as JSON-ready records."""
+    """The four compiles of one case, as JSON-ready records."""
     from jax_kernels import tpu_compile
-    from jax_kernels.pallas_background import pallas_background_backward, pallas_background_forward
+    from jax_kernels.pallas_background import (
+        pallas_background_backward,
+        pallas_background_forward,
+        pallas_background_value_and_grad,
+    )
 
     s = _structs(case)
     counts = "counts" in case["options"]
@@ -85,6 +91,8 @@ def compile_case(chip, case):
     jobs = {
         "forward": (functools.partial(pallas_background_forward, compute_counts=counts), common),
         "backward": (pallas_background_backward, common + (s["g"],)),
+        "value_and_grad": (functools.partial(pallas_background_value_and_grad, compute_counts=counts),
+                           common + (s["g"],)),
         "cut_bce_value_and_grad": (functools.partial(_loss_and_grads, counts=counts),
                                    (s["hidden"], s["item_weight"], s["ids"], s["bias"],
                                     s["class_weight"], s["pos_weight"])),
@@ -102,7 +110,7 @@ def main(out_path, chips):
     for chip, case in cases(chips):
         records += compile_case(chip, case)
         print(chip, case, [(r["what"], round(r["seconds"], 1), r["error"] and r["error"][:200])
-                           for r in records[-3:]], flush=True)
+                           for r in records[-4:]], flush=True)
     for what, case in TEMP_CASES.items():
         s = _structs(case)
         if what.startswith("forward"):

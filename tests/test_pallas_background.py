@@ -31,7 +31,11 @@ from jax_kernels.block_sizes import (
     default_block_sizes,
     vmem_estimate_bytes,
 )
-from jax_kernels.pallas_background import pallas_background_backward, pallas_background_forward
+from jax_kernels.pallas_background import (
+    pallas_background_backward,
+    pallas_background_forward,
+    pallas_background_value_and_grad,
+)
 
 # rows: float32 within 1e-5 of the float64 truth, each row on its own. Gradients: relative to the
 # tensor's largest entry. bfloat16 must be no worse than a dense bfloat16 computation plus this
@@ -159,8 +163,17 @@ def make_confident_inputs(seed, n, v, extra_d, num_slots):
     return f32(hidden), f32(item_weight), f32(bias), cw, pw, ids, g
 
 
-def run_kernels(inputs, block_sizes):
+# Both ways to the six outputs: forward then backward (three kernels), and the one-pass gradient of
+# the scalar reductions (`pallas_background_value_and_grad`: the d_hidden kernel sums the rows too).
+ENGINES = ("two_pass", "one_pass")
+
+
+def run_kernels(inputs, block_sizes, engine="two_pass"):
     """`(rows, predicted, hits, d_hidden, d_item_weight, d_bias)` from the jitted launchers."""
+    if engine == "one_pass":
+        fused = jax.jit(pallas_background_value_and_grad,
+                        static_argnames=("compute_counts", "block_sizes"))
+        return fused(*inputs, compute_counts=True, block_sizes=block_sizes)
     fwd = jax.jit(pallas_background_forward, static_argnames=("compute_counts", "block_sizes"))
     bwd = jax.jit(pallas_background_backward, static_argnames=("block_sizes",))
     return (*fwd(*inputs[:6], compute_counts=True, block_sizes=block_sizes),
@@ -180,8 +193,8 @@ def check_counts(name, fast, truth, band):
         )
 
 
-def check_float32(name, inputs, block_sizes, band):
-    rows, predicted, hits, *grads = run_kernels(inputs, block_sizes)
+def check_float32(name, inputs, block_sizes, band, engine):
+    rows, predicted, hits, *grads = run_kernels(inputs, block_sizes, engine)
     truth = oracle(*inputs)
     assert_rows(f"{name}/rows", rows, truth["rows"])
     check_counts(name, dict(predicted=predicted, hits=hits), truth, band)
@@ -205,30 +218,34 @@ F32_CASES = {
 }
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("case", sorted(F32_CASES))
-def test_float32_matches_float64_oracle(case):
+def test_float32_matches_float64_oracle(case, engine):
     n, v, d, num_slots, bias, cw, pw, scale, block_n, block_v = F32_CASES[case]
     inputs = make_inputs(sorted(F32_CASES).index(case), n, v, d, num_slots, bias=bias,
                          class_weight=cw, pos_weight=pw, logit_scale=scale)
     truth = check_float32(case, inputs, BlockSizes(block_n=block_n, block_v=block_v),
-                          band=1e-4 * scale)
+                          band=1e-4 * scale, engine=engine)
     if scale > 10:  # really exercise |z| ~ 50, positives included
         assert truth["abs_z"].max() > 40.0 and truth["y"].any()
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("pos_weight", [True, False], ids=["pw", "no_pw"])
-def test_confident_positives_exact_per_row(pos_weight):
+def test_confident_positives_exact_per_row(pos_weight, engine):
     """Positives at z = +20..+100 among negatives at -10..-50: no row loses its positives'
     softplus(-z) to the rounding of a row sum that went through softplus(z) - z."""
     inputs = list(make_confident_inputs(11, 150, 200, 9, 5))
     if not pos_weight:
         inputs[4] = None
-    truth = check_float32("confident", inputs, BlockSizes(block_n=128, block_v=128), band=1e-4)
+    truth = check_float32("confident", inputs, BlockSizes(block_n=128, block_v=128), band=1e-4,
+                          engine=engine)
     confident = truth["rows"][::2]
     assert confident.min() < 1e-16 and truth["abs_z"][::2].min() >= 10.0
 
 
-def test_single_item_confident_positive():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_single_item_confident_positive(engine):
     """V = 1: the item is a positive at z = 31 (row loss softplus(-31) = 3.4e-14), a negative at
     z = -31, and a positive predicted wrong at z = -5; exact f32 logits (30 + bias 1)."""
     hidden = np.zeros((3, 8), np.float32)
@@ -240,7 +257,7 @@ def test_single_item_confident_positive():
     g = np.array([0.7, -1.3, 0.4], np.float32)
     for pw in (None, np.full(1, 2.5, np.float32)):
         inputs = (hidden, item_weight, bias, np.full(1, 0.75, np.float32), pw, ids, g)
-        rows, predicted, hits, *grads = run_kernels(inputs, None)
+        rows, predicted, hits, *grads = run_kernels(inputs, None, engine)
         truth = oracle(*inputs)
         wgt = 0.75 * (1.0 if pw is None else 2.5)
         assert 3.4e-14 < truth["rows"][0] / wgt < 3.5e-14  # softplus(-31)
@@ -266,12 +283,13 @@ def dense_bf16(hidden, item_weight, bias, class_weight, pos_weight, ids, g):
     return rows, dz @ item_weight, dz.T @ hidden, dz.sum(axis=0)
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("d", [72, 128])  # the table as [D, V] (D % 128 != 0) and as [V, D]
-def test_bfloat16_no_worse_than_dense_bfloat16(d):
+def test_bfloat16_no_worse_than_dense_bfloat16(d, engine):
     """d_item_weight comes back in the table's dtype (accumulated in float32, rounded once, like
     the dense bf16 product); rows, d_hidden and d_bias in float32."""
     inputs = make_inputs(7, 300, 1000, d, 6, dtype=jnp.bfloat16)
-    rows, predicted, hits, *grads = run_kernels(inputs, BlockSizes(block_n=128, block_v=256))
+    rows, predicted, hits, *grads = run_kernels(inputs, BlockSizes(block_n=128, block_v=256), engine)
     truth = oracle(*inputs)
     dense = dense_bf16(*inputs)
     for key, got, ref in zip(("rows", *GRADS), (rows, *grads), dense):
@@ -302,6 +320,13 @@ def test_default_block_sizes_and_eager_call():
                                                    compute_counts=True)
     np.testing.assert_array_equal(hits, np.zeros(70))
     assert predicted.shape == (70,)
+    # The one-pass launcher eagerly, without counts, bias or ids.
+    truth = oracle(hidden, item_weight, None, cw, pw, no_slots, g)
+    rows, predicted, hits, d_hidden, _, d_bias = pallas_background_value_and_grad(
+        hidden, item_weight, None, cw, pw, no_slots, g, compute_counts=False)
+    assert predicted is None and hits is None and d_bias is None
+    assert_rows("default/one_pass/rows", rows, truth["rows"])
+    assert_close("default/one_pass/d_hidden", d_hidden, truth["d_hidden"], F32_RTOL)
 
 
 def test_bad_inputs_raise():
@@ -312,6 +337,9 @@ def test_bad_inputs_raise():
         pallas_background_forward(h64, w64, None, None, None, ids, compute_counts=False)
     with pytest.raises(TypeError, match="float64"):
         pallas_background_backward(h64, w64, None, None, None, ids, np.zeros(4, np.float32))
+    with pytest.raises(ValueError, match="g must have shape"):
+        pallas_background_value_and_grad(h32, w32, None, None, None, ids,
+                                         np.zeros(3, np.float32), compute_counts=True)
     with pytest.raises(TypeError, match="float16"):
         pallas_background_forward(h64.astype(np.float16), w64.astype(np.float16), None, None,
                                   None, ids, compute_counts=False)

@@ -19,7 +19,11 @@ import pytest
 from jax import export
 
 from jax_kernels.block_sizes import BlockSizes, default_block_sizes
-from jax_kernels.pallas_background import pallas_background_backward, pallas_background_forward
+from jax_kernels.pallas_background import (
+    pallas_background_backward,
+    pallas_background_forward,
+    pallas_background_value_and_grad,
+)
 
 NS = (1000, 8192)
 VS = (1000, 100000, 876939)
@@ -37,9 +41,9 @@ def exported_text(fn, *args):
     return export.export(jax.jit(fn), platforms=["tpu"])(*args).mlir_module()
 
 
-def lower_both(n, v, d, dtype, block_sizes, *, bias, class_weight, pos_weight, num_slots,
+def lower_all(n, v, d, dtype, block_sizes, *, bias, class_weight, pos_weight, num_slots,
                compute_counts):
-    """Export forward and backward for TPU; return their module texts."""
+    """Export forward, backward and the one-pass value_and_grad for TPU; return their module texts."""
 
     def forward(h, w, b, c, p, ids):
         return pallas_background_forward(h, w, b, c, p, ids, compute_counts=compute_counts,
@@ -48,10 +52,16 @@ def lower_both(n, v, d, dtype, block_sizes, *, bias, class_weight, pos_weight, n
     def backward(h, w, b, c, p, ids, g):
         return pallas_background_backward(h, w, b, c, p, ids, g, block_sizes=block_sizes)
 
+    def one_pass(h, w, b, c, p, ids, g):
+        return pallas_background_value_and_grad(h, w, b, c, p, ids, g, block_sizes=block_sizes,
+                                                compute_counts=compute_counts)
+
     args = (sds((n, d), dtype), sds((v, d), dtype), sds((v,)) if bias else None,
             sds((v,)) if class_weight else None, sds((v,)) if pos_weight else None,
             sds((n, num_slots), jnp.int32))
-    return exported_text(forward, *args), exported_text(backward, *args, sds((n,)))
+    g = sds((n,))
+    return exported_text(forward, *args), exported_text(backward, *args, g), exported_text(
+        one_pass, *args, g)
 
 
 def check_shape_matrix(chip, dtype):
@@ -62,10 +72,11 @@ def check_shape_matrix(chip, dtype):
         options = dict(bias=k % 2 == 0, class_weight=k % 3 != 1, pos_weight=k % 4 != 3,
                        num_slots=num_slots, compute_counts=k % 4 < 2)
         block_sizes = default_block_sizes(n, v, d, dtype, chip=chip, num_targets=num_slots)
-        fwd, bwd = lower_both(n, v, d, dtype, block_sizes, **options)
+        fwd, bwd, one_pass = lower_all(n, v, d, dtype, block_sizes, **options)
         where = f"{chip} {jnp.dtype(dtype).name} N={n} V={v} D={d} {block_sizes} {options}"
         assert fwd.count(TPU_CALL) == 1, f"forward not lowered to Mosaic: {where}"
         assert bwd.count(TPU_CALL) == 2, f"backward not lowered to two Mosaic kernels: {where}"
+        assert one_pass.count(TPU_CALL) == 2, f"value_and_grad not lowered to two kernels: {where}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: jnp.dtype(t).name)
@@ -81,9 +92,9 @@ def test_every_variant_lowers(dtype):
     for values in itertools.product((False, True), repeat=len(flags)):
         for num_slots in (0, 5):
             options = dict(zip(flags, values), num_slots=num_slots)
-            fwd, bwd = lower_both(300, 1000, 72, dtype, BlockSizes(block_n=128, block_v=256),
-                                  **options)
-            assert fwd.count(TPU_CALL) == 1 and bwd.count(TPU_CALL) == 2, options
+            texts = lower_all(300, 1000, 72, dtype, BlockSizes(block_n=128, block_v=256),
+                               **options)
+            assert [t.count(TPU_CALL) for t in texts] == [1, 2, 2], options
 
 
 @pytest.mark.parametrize("chip", ["v5p", "v7", None])
@@ -91,9 +102,9 @@ def test_other_chips_and_portable_default_lower(chip):
     """v5p and v7 budgets, and chip=None (no TPU here: the portable table row)."""
     for n, v, d, dtype in [(8192, 876939, 96, jnp.bfloat16), (1000, 100000, 256, jnp.float32)]:
         block_sizes = None if chip is None else default_block_sizes(n, v, d, dtype, chip=chip)
-        fwd, bwd = lower_both(n, v, d, dtype, block_sizes, bias=True, class_weight=True,
-                              pos_weight=True, num_slots=20, compute_counts=True)
-        assert fwd.count(TPU_CALL) == 1 and bwd.count(TPU_CALL) == 2
+        texts = lower_all(n, v, d, dtype, block_sizes, bias=True, class_weight=True,
+                           pos_weight=True, num_slots=20, compute_counts=True)
+        assert [t.count(TPU_CALL) for t in texts] == [1, 2, 2]
 
 
 def test_user_block_sizes_and_tiny_shapes_lower():
@@ -107,9 +118,9 @@ def test_user_block_sizes_and_tiny_shapes_lower():
                                                      vmem_limit_bytes=64 << 20)),
     ]
     for n, v, d, num_slots, dtype, block_sizes in cases:
-        fwd, bwd = lower_both(n, v, d, dtype, block_sizes, bias=False, class_weight=False,
-                              pos_weight=False, num_slots=num_slots, compute_counts=False)
-        assert fwd.count(TPU_CALL) == 1 and bwd.count(TPU_CALL) == 2
+        texts = lower_all(n, v, d, dtype, block_sizes, bias=False, class_weight=False,
+                           pos_weight=False, num_slots=num_slots, compute_counts=False)
+        assert [t.count(TPU_CALL) for t in texts] == [1, 2, 2]
 
 
 def test_cpu_lowering_uses_the_interpreter():
@@ -127,3 +138,19 @@ def test_cpu_lowering_uses_the_interpreter():
     cpu_text = jax.jit(both).lower(*args).as_text()
     assert TPU_CALL not in cpu_text
     assert exported_text(both, *args).count(TPU_CALL) == 3
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_scalar_loss_gradient_runs_two_kernels(reduction):
+    """The gradient of `cut_bce(impl='pallas')` for 'mean'/'sum' runs the one-pass kernels (the
+    d_hidden kernel sums the rows too, no forward kernel): two Mosaic calls. 'none' does not know
+    its row gradient in the forward: forward, then both backward kernels."""
+    import jax_kernels
+
+    def loss(h, w, ids):
+        return jax_kernels.cut_bce(h, w, ids, reduction=reduction, impl="pallas").sum()
+
+    step = jax.value_and_grad(loss, argnums=(0, 1))  # the loss too, or 'none' drops its forward
+    text = exported_text(step, sds((300, 72), jnp.bfloat16), sds((1000, 72), jnp.bfloat16),
+                         sds((300, 5), jnp.int32))
+    assert text.count(TPU_CALL) == (3 if reduction == "none" else 2)
