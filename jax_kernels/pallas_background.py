@@ -1,7 +1,7 @@
 """Pallas TPU kernels of CutBCE: every element's exact loss, one logits tile at a time.
 
 Each kernel sees the positive ids of its rows and evaluates every element of the `[N, V]` loss of
-DESIGN.md section 2 inside the `[block_n, block_v]` tile where it falls: the positives are taken out
+docs/design.md ('The math') inside the `[block_n, block_v]` tile where it falls: the positives are taken out
 of the background there, and nothing is corrected afterwards. With
 `z[n, v] = hidden[n] . item_weight[v] + bias[v]`, `y[n, v] = 1` iff v is in `ids[n, :]`, cw the
 class weight and pw the pos weight (each 1 when None):

@@ -143,8 +143,7 @@ def _signed(z, y):
 
 
 def _element_loss(zs, e, wgt):
-    """`wgt * softplus(zs)`, softplus(zs) = max(zs, 0) + log1p(e), e = exp(-|zs|) (DESIGN.md
-    sec. 2); `(zs, e)` from `_signed`."""
+    """`wgt * softplus(zs)`, softplus(zs) = max(zs, 0) + log1p(e), e = exp(-|zs|) (docs/design.md ('The math')); `(zs, e)` from `_signed`."""
     loss = jnp.maximum(zs, 0.0) + jnp.log1p(e)
     return loss if wgt is None else loss * wgt
 

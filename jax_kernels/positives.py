@@ -1,7 +1,7 @@
 """Where the positives are: padded target ids -> a set of ids per row (JAX; torch twin in torch_cutbce).
 
 Every implementation takes the positives out of the dense pass inside the tile where they fall
-(DESIGN.md section 2, Precision): an element's loss is `cw softplus(z)` or `cw pw softplus(-z)`,
+(docs/design.md ('The math')): an element's loss is `cw softplus(z)` or `cw pw softplus(-z)`,
 chosen element by element, so a confident positive's tiny loss is never lost in a row sum. The
 tiles learn which of their elements are positives from `positive_ids`: the blocked loop scatters
 them into a boolean tile, the Pallas kernels compare the row's ids with the tile's columns.

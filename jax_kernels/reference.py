@@ -1,6 +1,6 @@
 """Dense reference for CutBCE in JAX: materializes the `[N, V]` logits (a test oracle only).
 
-The loss, stated once for the whole project (DESIGN.md section 2). For position n and item v:
+The loss, stated once for the whole project (docs/design.md, 'The math'). For position n and item v:
 
     z[n, v] = hidden[n] . item_weight[v] + bias[v]
     y[n, v] = 1 if v in set(targets[n]) else 0           (negative ids are padding)

@@ -1,6 +1,6 @@
 """Rung L1 (JAX): the blocked pure-JAX implementation against the float64 dense oracle.
 
-The oracle is DESIGN.md's: torch's binary_cross_entropy_with_logits on materialized logits in
+The oracle is the parity ladder's (docs/design.md): torch's binary_cross_entropy_with_logits on materialized logits in
 float64 (`dense_bce_with_logits`, equal to `jax_kernels.dense_cut_bce` by test_reference.py, and
 free of JAX compilations), on the very values the fast path sees. bfloat16's same-dtype reference
 is `jax_kernels.dense_cut_bce(compute_dtype=bfloat16)`. Gradients come from `jax.vjp` with random,

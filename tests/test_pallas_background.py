@@ -1,7 +1,7 @@
 """Rung L2: the Pallas kernels (interpret mode on CPU) against a float64 dense oracle.
 
 The kernels compute every element's exact loss in its tile (formulas: the docstring of
-jax_kernels/pallas_background.py, DESIGN.md section 2): with y[n, v] = (v in ids[n]),
+jax_kernels/pallas_background.py, docs/design.md 'The math'): with y[n, v] = (v in ids[n]),
     rows[n] = sum_v cw[v] (pw[v] softplus(-z) if y else softplus(z)),
     predicted[n] = sum_v (z > 0),  hits[n] = sum_v y (z > 0),
     dz = g[n] cw[v] (-pw[v] sigmoid(-z) if y else sigmoid(z)) -> d_hidden, d_item_weight, d_bias.
@@ -19,19 +19,22 @@ import subprocess
 import sys
 import textwrap
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_kernels.block_sizes import (
+pytest.importorskip("jax", reason="needs jax: pip install 'torch-cutbce[jax]'")  # every test here runs JAX
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from jax_kernels.block_sizes import (  # noqa: E402
     CHIPS,
     PORTABLE_CHIP,
     BlockSizes,
     default_block_sizes,
     vmem_estimate_bytes,
 )
-from jax_kernels.pallas_background import (
+from jax_kernels.pallas_background import (  # noqa: E402
     pallas_background_backward,
     pallas_background_forward,
     pallas_background_value_and_grad,
@@ -39,7 +42,7 @@ from jax_kernels.pallas_background import (
 
 # rows: float32 within 1e-5 of the float64 truth, each row on its own. Gradients: relative to the
 # tensor's largest entry. bfloat16 must be no worse than a dense bfloat16 computation plus this
-# margin (DESIGN.md section 2).
+# margin (docs/design.md, 'Precision').
 F32_RTOL = 1e-5
 BF16_MARGIN = 1e-3
 GRADS = ("d_hidden", "d_item_weight", "d_bias")

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import itertools
 
-import jax
-import jax.numpy as jnp
 import pytest
-from jax import export
 
-from jax_kernels.block_sizes import BlockSizes, default_block_sizes
-from jax_kernels.pallas_background import (
+pytest.importorskip("jax", reason="needs jax: pip install 'torch-cutbce[jax]'")  # every test here runs JAX
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax import export  # noqa: E402
+
+from jax_kernels.block_sizes import BlockSizes, default_block_sizes  # noqa: E402
+from jax_kernels.pallas_background import (  # noqa: E402
     pallas_background_backward,
     pallas_background_forward,
     pallas_background_value_and_grad,

@@ -22,7 +22,9 @@ from pathlib import Path
 
 import pytest
 
-import _tpu_compile_worker as worker
+pytest.importorskip("jax", reason="needs jax: pip install 'torch-cutbce[jax]' (and .venv/libtpu-overlay: ci/setup.sh)")
+
+import _tpu_compile_worker as worker  # noqa: E402
 
 pytestmark = pytest.mark.tpu_compile
 

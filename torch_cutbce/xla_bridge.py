@@ -73,7 +73,7 @@ def _jax_backward(hidden, item_weight, targets, bias, class_weight, pos_weight, 
 
 def _jax_weighted_sum(hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight, *, config):
     """`sum_n row_weight[n] rows[n]`, the `[4 or 0, N]` counts, the rows, and the gradients for an
-    upstream 1, in one pass over the tiles (`cut_bce_value_and_grad`; blocked implementation)."""
+    upstream 1, in one pass over the tiles (`cut_bce_value_and_grad`, blocked or Pallas)."""
     global _trace_count
     _trace_count += 1
     (rows, counts), (d_hidden, d_items, d_bias) = jax_core.cut_bce_value_and_grad(
@@ -212,19 +212,22 @@ def xla_weighted_sum(
     row_weight: torch.Tensor,
     block_v: int,
     compute_metrics: bool,
+    impl: str,
 ) -> list[torch.Tensor]:
     """`[loss, counts, rows, d_hidden, d_item_weight, d_bias or an empty placeholder]` of `_jax_weighted_sum`."""
-    config = jax_core.CutBCEConfig(block_v=block_v, compute_metrics=compute_metrics, impl="blocked")
+    config = jax_core.CutBCEConfig(block_v=block_v, compute_metrics=compute_metrics, impl=impl)
     args = (hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight)
     return list(xb.call_jax(_jax_weighted_sum, args, {"config": config}))
 
 
 @xla_weighted_sum.register_fake
-def _(hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight, block_v, compute_metrics):
+def _(hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight, block_v, compute_metrics, impl):
     n, acc = hidden.shape[0], _rows_dtype(hidden)
+    # The Pallas table gradient comes in the table's dtype (no table-sized float32 buffer on TPU).
+    items_dtype = item_weight.dtype if impl == "pallas" else acc
     return [hidden.new_empty((), dtype=acc), hidden.new_empty((4 if compute_metrics else 0, n), dtype=torch.float32),
             hidden.new_empty((n,), dtype=acc), torch.empty_like(hidden, dtype=acc),
-            torch.empty_like(item_weight, dtype=acc),
+            torch.empty_like(item_weight, dtype=items_dtype),
             hidden.new_empty(bias.shape if bias is not None else (0,), dtype=acc)]
 
 
@@ -239,14 +242,16 @@ def _weighted_sum_backward(ctx, output_grads):
     rows, d_hidden, d_items, d_bias = ctx.saved_tensors  # gradients in the accumulation dtype
     need = ctx.needs_input_grad
 
-    def scaled(grad, dtype):  # scaled in the accumulation dtype, then rounded once
-        return (grad * g_loss.to(grad.dtype)).to(dtype)
+    acc = rows.dtype
+
+    def scaled(grad, dtype):  # scaled in the accumulation dtype, then rounded to the input's dtype
+        return (grad.to(acc) * g_loss.to(acc)).to(dtype)
 
     d_hidden, d_items = (scaled(d, dtype) if n else None
                          for d, dtype, n in zip((d_hidden, d_items), ctx.dtypes[:2], need[:2]))
     d_bias = scaled(d_bias, ctx.dtypes[2]) if need[3] else None
     d_row_weight = (rows * g_loss.to(rows.dtype)) if need[6] else None
-    return d_hidden, d_items, None, d_bias, None, None, d_row_weight, None, None
+    return d_hidden, d_items, None, d_bias, None, None, d_row_weight, None, None, None
 
 
 xla_weighted_sum.register_autograd(_weighted_sum_backward, setup_context=_weighted_sum_setup)
@@ -268,23 +273,25 @@ def _check_x64(hidden: torch.Tensor) -> None:
         )
 
 
-def one_pass(backend: str, dtype: torch.dtype, mesh) -> bool:
-    """Whether the 'sum' / 'mean' loss runs in one pass (`cut_bce_weighted_sum`): the blocked loop on
-    one device. The Pallas kernels and the sharded path compute the rows, then the gradients."""
-    return mesh is None and resolve_impl(backend, dtype) == "blocked"
+def one_pass(mesh) -> bool:
+    """Whether the 'sum' / 'mean' loss runs in one pass (`cut_bce_weighted_sum`): on one device, with
+    the blocked loop or the Pallas kernels. Under an SPMD mesh the bridge computes the rows, then the
+    gradients (the sharded JAX path has a one-pass form; the bridge does not use it yet)."""
+    return mesh is None
 
 
 def cut_bce_weighted_sum(hidden, item_weight, bias, class_weight, pos_weight, targets, row_weight, *,
-                         block_v, compute_metrics):
+                         block_v, compute_metrics, backend):
     """`(sum_n row_weight[n] rows[n], counts [4 or 0, N])`, gradients computed in the forward.
 
     `row_weight` `[N]` is the position weight over the reduction's divisor; it gets the rows as
-    its gradient. For the blocked loop on one device (`one_pass`).
+    its gradient. On one device (`one_pass`).
     """
+    impl = resolve_impl(backend, hidden.dtype)
     _check_x64(hidden)
     targets = _xla_targets(targets, item_weight.shape[0])
     out = xla_weighted_sum(hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight, block_v,
-                           compute_metrics)
+                           compute_metrics, impl)
     return out[0], out[1]
 
 
