@@ -106,6 +106,9 @@ def test_sharded_bridge_without_bias_after_calls_with_bias(xla_report):
 WORLD = 3
 N_SHAPE, V, D, L = (3, 7), 301, 12, 5
 REDUCTIONS = ("none", "sum", "mean")
+# Each variant is a reduction, and the focal loss (issue 15) with 'none' and with 'mean'.
+FOCAL = tc.Focal(gamma=1.5, alpha=0.25, apply_class_balancing=True)
+VARIANTS = {**{r: (r, None) for r in REDUCTIONS}, "focal-none": ("none", FOCAL), "focal-mean": ("mean", FOCAL)}
 
 
 def _inputs():
@@ -125,24 +128,24 @@ def _inputs():
     )
 
 
-def _upstream(reduction):
-    shape = N_SHAPE if reduction == "none" else ()
+def _upstream(variant):
+    shape = N_SHAPE if VARIANTS[variant][0] == "none" else ()
     return torch.randn(shape, generator=torch.Generator().manual_seed(1))
 
 
 def _loss_and_grads(loss_fn, inputs, rows):
     """For each reduction: loss, metrics and gradients of `sum(loss * upstream)`; `rows` slices the table."""
     out = {}
-    for reduction in REDUCTIONS:
+    for variant, (reduction, focal) in VARIANTS.items():
         leaves = {k: inputs[k].clone().requires_grad_(True) for k in ("hidden", "weight")}
         leaves.update({k: inputs[k][rows].clone().requires_grad_(True) for k in ("item_weight", "bias")})
         loss, metrics = loss_fn(
             leaves["hidden"], leaves["item_weight"], inputs["targets"], leaves["bias"], weight=leaves["weight"],
             class_weight=inputs["class_weight"][rows], pos_weight=inputs["pos_weight"][rows],
-            reduction=reduction, return_metrics=True, block_v=16,
+            reduction=reduction, return_metrics=True, block_v=16, focal=focal,
         )
-        (loss * _upstream(reduction)).sum().backward()
-        out[reduction] = {"loss": loss.detach(), **metrics._asdict(), **{f"d_{k}": v.grad for k, v in leaves.items()}}
+        (loss * _upstream(variant)).sum().backward()
+        out[variant] = {"loss": loss.detach(), **metrics._asdict(), **{f"d_{k}": v.grad for k, v in leaves.items()}}
     return out
 
 
@@ -178,7 +181,7 @@ def single_process():
         return _loss_and_grads(tc.cut_bce_with_logits, _inputs(), slice(None))
 
 
-@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("reduction", list(VARIANTS))
 def test_vocab_parallel_equals_single_process(ranks, single_process, reduction):
     reference = single_process[reduction]
     for rank, r in enumerate(ranks):

@@ -1,5 +1,6 @@
 """torch-cutbce: exact full-catalog binary cross-entropy without materializing `[N, V]` logits."""
 
+from jax_kernels.focal import Focal
 from torch_cutbce.functional import BACKENDS, cut_bce_with_logits
 from torch_cutbce.metrics import CutBCEMetrics
 from torch_cutbce.module import CutBCEWithLogitsLoss
@@ -13,6 +14,7 @@ __all__ = [
     "BACKENDS",
     "CutBCEMetrics",
     "CutBCEWithLogitsLoss",
+    "Focal",
     "cut_bce_with_logits",
     "dense_bce_with_logits",
     "full_catalog_topk",

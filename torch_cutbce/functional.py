@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from jax_kernels.focal import Focal, check_focal
 from jax_kernels.shapes import reduction_divisor, tile_width
 from torch_cutbce import arguments, ops
 from torch_cutbce.arguments import BACKENDS  # noqa: F401  (re-exported by torch_cutbce)
@@ -30,7 +31,7 @@ def _padded_positions_dropped(hidden, targets, weight, num_items):
     return keep.nonzero().squeeze(-1)
 
 
-def _native(flat, weight, *, reduction, n, num_items, block_v, return_metrics):
+def _native(flat, weight, *, reduction, n, num_items, block_v, return_metrics, focal):
     """The native engine on `[N, D]` / `[N, L]` inputs: the loss (and counts), padded positions dropped.
     `block_v`: the user's tile width, or None for the default."""
     hidden, item_weight, bias, class_weight, pos_weight, targets = flat
@@ -45,12 +46,12 @@ def _native(flat, weight, *, reduction, n, num_items, block_v, return_metrics):
         # Gradients computed during the forward (native.loss_and_grads); weight and reduction inside.
         loss, counts = ops.loss(hidden, item_weight, bias, w, class_weight, pos_weight, targets,
                                 divisor=reduction_divisor(reduction, n, num_items), block_v=block_v,
-                                compute_metrics=return_metrics)
+                                compute_metrics=return_metrics, focal=focal)
         return loss, (CutBCEMetrics(*counts) if return_metrics else None)
     # Also N = 0 with 'sum'/'mean': reduce_rows gives 0 / 0 = nan for 'mean' (as torch) and the
     # rows' backward zero gradients.
     rows, counts = ops.rows(hidden, item_weight, bias, class_weight, pos_weight, targets, block_v=block_v,
-                            compute_metrics=return_metrics)
+                            compute_metrics=return_metrics, focal=focal)
     if kept is not None:  # dropped positions: rows and counts 0
         rows = rows.new_zeros(n).index_copy(0, kept, rows)
         counts = counts.new_zeros((counts.shape[0], n)).index_copy(1, kept, counts)
@@ -74,6 +75,7 @@ def cut_bce_with_logits(
     vocab_axis: str | tuple[str, ...] | None = "model",
     data_axis: str | tuple[str, ...] | None = "data",
     vocab_parallel: VocabParallelOptions | None = None,
+    focal: Focal | None = None,
 ):
     """`BCEWithLogitsLoss(hidden @ item_weight.T + bias, multi_hot(targets))` without building the logits.
 
@@ -114,6 +116,9 @@ def cut_bce_with_logits(
         `class_weight` and `pos_weight` are this rank's slices, `hidden`, `targets` and `weight` the
         same on every rank, and every rank gets the same loss and `d_hidden` ('mean' divides by
         N x the global V). See `torch_cutbce.vocab_parallel`.
+      focal: a `Focal(gamma=2.0, alpha=0.25, apply_class_balancing=False)` for the focal loss
+        (Keras `BinaryFocalCrossentropy` semantics; formulas: `jax_kernels/focal.py`), or None.
+        gamma = 0 without balancing is plain BCE. Exact like the plain loss, on every backend.
 
     Returns:
       The loss (float32, also for float16 / bfloat16 inputs; float64 for float64 inputs), or
@@ -123,6 +128,7 @@ def cut_bce_with_logits(
     size = arguments.check(hidden, item_weight, targets, bias, weight, class_weight, pos_weight,
                               reduction=reduction, block_v=block_v)
     backend = arguments.resolve_backend(backend, hidden)
+    focal = check_focal(focal)
     if mesh is not None and not backend.startswith("xla"):
         raise ValueError(
             f"mesh= runs under torch_xla SPMD and needs XLA tensors, got backend={backend!r}; "
@@ -142,25 +148,29 @@ def cut_bce_with_logits(
         arguments.check_ids_below_vocab(targets, size.num_items)
         return dense_bce_with_logits(
             hidden, item_weight, targets, bias, weight=weight, class_weight=class_weight,
-            pos_weight=pos_weight, reduction=reduction, return_metrics=return_metrics,
+            pos_weight=pos_weight, reduction=reduction, return_metrics=return_metrics, focal=focal,
         )
     n = size.num_positions
     flat = (hidden.reshape(n, size.hidden_size), item_weight, bias, class_weight, pos_weight,
             targets.reshape(n, size.num_slots))
     if vocab_parallel is not None:
         rows, counts = vocab_parallel_rows(
-            *flat, options=vocab_parallel, compute_metrics=return_metrics,
+            *flat, options=vocab_parallel, compute_metrics=return_metrics, focal=focal,
             block_v=tile_width(size.block_v, n, size.num_items))
         return reduce_rows(rows, counts, weight, reduction, size.lead_shape, vocab_parallel.num_items,
                            return_metrics)
     if backend == "native":
-        out, counts = _native(flat, weight, reduction=reduction, n=n, num_items=size.num_items,
+        out, counts = _native(flat, weight, reduction=reduction, n=n, num_items=size.num_items, focal=focal,
                               block_v=size.block_v, return_metrics=return_metrics)
         if reduction != "none" and n > 0:
             return (out, counts) if return_metrics else out
         rows = out
     else:
         from torch_cutbce import xla_bridge  # the one module that imports torch_xla and jax
+
+        if focal is not None:
+            raise NotImplementedError("focal= on XLA tensors (the torch_xla bridge) is not wired yet; "
+                                      "use CPU/CUDA tensors (backend='native') or jax_kernels.cut_bce")
 
         block_v = tile_width(size.block_v, n, size.num_items)
         if reduction != "none" and n > 0 and xla_bridge.one_pass(mesh):

@@ -79,7 +79,43 @@ def _counts(z):
     return (z > 0).sum(-1, dtype=torch.float32)
 
 
-_FUNCTIONS = {"rows": _rows, "rows_grad": _rows_grad, "grad": _grad, "counts": _counts}
+# Focal tiles (`jax_kernels/focal.py`): term(z) = sigmoid(z)^gamma softplus(z), gamma > 0 a 0-d tensor.
+# sigmoid(z)^gamma = exp(-gamma softplus(-z)); at z = -inf (a positive taken out) it is exp(-inf) = 0,
+# so the element adds 0 and its gradient is 0 (gamma = 0 runs the plain functions instead).
+
+
+def _focal_parts(z, gamma):
+    e = torch.exp(-z.abs())
+    log1p_e = _log1p_unit(e)
+    softplus = torch.clamp_min(z, 0) + log1p_e
+    factor = torch.exp(-gamma * (torch.clamp_min(-z, 0) + log1p_e))
+    return e, softplus, factor
+
+
+def _focal_rows(z, cw, gamma):
+    _, softplus, factor = _focal_parts(z, gamma)
+    return (factor * softplus * cw).sum(-1)
+
+
+def _focal_dz_into(out, z, e, softplus, factor, cw, gamma, g):
+    sigmoid = torch.where(z >= 0, 1.0, e) / (1 + e)
+    sigmoid_neg = torch.where(z >= 0, e, 1.0) / (1 + e)
+    out.copy_(factor * (gamma * sigmoid_neg * softplus + sigmoid) * (g * cw))
+
+
+def _focal_rows_grad(z, cw, gamma, g, out):
+    e, softplus, factor = _focal_parts(z, gamma)
+    _focal_dz_into(out, z, e, softplus, factor, cw, gamma, g)
+    return (factor * softplus * cw).sum(-1)
+
+
+def _focal_grad(z, cw, gamma, g, out):
+    e, softplus, factor = _focal_parts(z, gamma)
+    _focal_dz_into(out, z, e, softplus, factor, cw, gamma, g)
+
+
+_FUNCTIONS = {"rows": _rows, "rows_grad": _rows_grad, "grad": _grad, "counts": _counts,
+              "focal_rows": _focal_rows, "focal_rows_grad": _focal_rows_grad, "focal_grad": _focal_grad}
 
 
 # -- eager twins: the same formulas, in place where they can be ----------------------------------
@@ -112,7 +148,41 @@ def _eager_grad(z, cw, g, out):
     _eager_sigmoid_into(out, z, z.abs().neg_().exp_(), cw, g)
 
 
-_EAGER = {"rows": _eager_rows, "rows_grad": _eager_rows_grad, "grad": _eager_grad, "counts": _counts}
+def _eager_focal_parts(z, gamma):
+    e = z.abs().neg_().exp_()
+    log1p_e = torch.log1p(e)
+    return e, z.clamp(min=0).add_(log1p_e), (z.neg().clamp_(min=0).add_(log1p_e)).mul_(-gamma).exp_()
+
+
+def _eager_focal_rows(z, cw, gamma):
+    _, softplus, factor = _eager_focal_parts(z, gamma)
+    loss = factor.mul_(softplus)
+    return loss.sum(-1) if cw is None else loss @ cw[0]
+
+
+def _eager_focal_dz_into(out, z, e, softplus, factor, cw, gamma, g):
+    sigmoid = torch.where(z >= 0, 1.0, e) / (e + 1)
+    sigmoid_neg = torch.where(z >= 0, e, 1.0) / (e + 1)
+    torch.mul(sigmoid_neg.mul_(softplus).mul_(gamma).add_(sigmoid), factor, out=out)
+    out.mul_(g)
+    if cw is not None:
+        out.mul_(cw)
+
+
+def _eager_focal_rows_grad(z, cw, gamma, g, out):
+    e, softplus, factor = _eager_focal_parts(z, gamma)
+    _eager_focal_dz_into(out, z, e, softplus, factor, cw, gamma, g)
+    loss = factor.mul_(softplus)
+    return loss.sum(-1) if cw is None else loss @ cw[0]
+
+
+def _eager_focal_grad(z, cw, gamma, g, out):
+    _eager_focal_dz_into(out, z, *_eager_focal_parts(z, gamma), cw, gamma, g)
+
+
+_EAGER = {"rows": _eager_rows, "rows_grad": _eager_rows_grad, "grad": _eager_grad, "counts": _counts,
+          "focal_rows": _eager_focal_rows, "focal_rows_grad": _eager_focal_rows_grad,
+          "focal_grad": _eager_focal_grad}
 
 
 # -- dispatch -----------------------------------------------------------------------------------------
@@ -163,7 +233,7 @@ def _can_compile(z: torch.Tensor) -> bool:
 
 
 def _run(name: str, z: torch.Tensor, *args):
-    """`args` are `(cw, g, out)`, `(cw,)` or none (counts)."""
+    """`args` are `(cw, g, out)`, `(cw,)` or none (counts); focal functions take gamma after cw."""
     global _compile_failed
     if not _can_compile(z):
         return _EAGER[name](z, *args)
@@ -208,6 +278,21 @@ def rows_grad(z: torch.Tensor, cw: torch.Tensor | None, g: torch.Tensor, out: to
 def grad(z: torch.Tensor, cw: torch.Tensor | None, g: torch.Tensor, out: torch.Tensor) -> None:
     """Writes `dz = g cw sigmoid(z)` for the row gradient `g` into `out`."""
     _run("grad", z, cw, g, out)
+
+
+def focal_rows(z, cw, gamma: torch.Tensor) -> torch.Tensor:
+    """`sum_v cw[v] sigmoid(z)^gamma softplus(z)` `[bn]`: the focal terms of the tile's negatives."""
+    return _run("focal_rows", z, cw, gamma)
+
+
+def focal_rows_grad(z, cw, gamma: torch.Tensor, g: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`focal_rows(z, cw, gamma)`, and writes `dz = g cw d term / dz` into `out`."""
+    return _run("focal_rows_grad", z, cw, gamma, g, out)
+
+
+def focal_grad(z, cw, gamma: torch.Tensor, g: torch.Tensor, out: torch.Tensor) -> None:
+    """Writes the focal `dz` for the row gradient `g` into `out`."""
+    _run("focal_grad", z, cw, gamma, g, out)
 
 
 def counts(z: torch.Tensor) -> torch.Tensor:

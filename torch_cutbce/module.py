@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from jax_kernels.focal import Focal, check_focal
 from jax_kernels.shapes import check_block_v, check_reduction
 from torch_cutbce.arguments import check_backend
 from torch_cutbce.functional import cut_bce_with_logits
@@ -30,6 +31,7 @@ class CutBCEWithLogitsLoss(nn.Module):
         block_v: int | None = None,
         backend: str = "auto",
         return_metrics: bool = False,
+        focal: Focal | None = None,
     ):
         super().__init__()
         # Checked here too, so a bad option fails where it is written, not at the first step.
@@ -39,6 +41,7 @@ class CutBCEWithLogitsLoss(nn.Module):
         self.block_v = check_block_v(block_v)
         self.backend = backend
         self.return_metrics = return_metrics
+        self.focal = check_focal(focal)
         self.register_buffer("pos_weight", pos_weight)
         self.register_buffer("class_weight", class_weight)
 
@@ -47,8 +50,9 @@ class CutBCEWithLogitsLoss(nn.Module):
             hidden, item_weight, targets, bias,
             weight=weight, class_weight=self.class_weight, pos_weight=self.pos_weight,
             reduction=self.reduction, return_metrics=self.return_metrics,
-            block_v=self.block_v, backend=self.backend,
+            block_v=self.block_v, backend=self.backend, focal=self.focal,
         )
 
     def extra_repr(self) -> str:
-        return f"reduction={self.reduction!r}, block_v={self.block_v}, backend={self.backend!r}"
+        focal = "" if self.focal is None else f", focal={self.focal}"
+        return f"reduction={self.reduction!r}, block_v={self.block_v}, backend={self.backend!r}{focal}"

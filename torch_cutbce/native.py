@@ -9,6 +9,9 @@ positive gets its own exact terms afterwards (`positives.positive_terms`, O(N L)
   upstream g[n], their gradients (each logits tile recomputed).
 - `loss_and_grads`: the 'sum' / 'mean' loss with its gradients computed in the same pass.
 
+Each takes `focal` (a `jax_kernels.focal.Focal`, or None for plain BCE): focal tile functions for
+the negatives, focal terms for the positives.
+
 How torch sees these functions (custom ops, autograd, torch.compile) is `ops.py`'s job.
 """
 
@@ -67,6 +70,35 @@ def _add_tile_grads(dz, items, h, start, stop, d_hidden, d_items, d_bias):
         torch.sum(dz, 0, out=d_bias[start:stop])
 
 
+class _NegativeTerms:
+    """The tile functions for the negatives, plain or focal (`jax_kernels/focal.py`), and the class
+    weight the tiles use (scaled by 1 - alpha under focal class balancing)."""
+
+    def __init__(self, class_weight, focal, num_items, dtype, device):
+        self.gamma = None
+        if focal is not None and focal.gamma != 0.0:
+            self.gamma = torch.tensor(focal.gamma, dtype=dtype, device=device)
+        scale = 1.0 if focal is None else focal.negative_scale
+        self.class_weight = class_weight
+        if scale != 1.0:
+            ones = torch.ones(num_items, dtype=dtype, device=device)
+            self.class_weight = (ones if class_weight is None else class_weight.to(dtype)) * scale
+
+    def rows(self, z, cw):
+        return fused_tile.rows(z, cw) if self.gamma is None else fused_tile.focal_rows(z, cw, self.gamma)
+
+    def rows_grad(self, z, cw, g, out):
+        if self.gamma is None:
+            return fused_tile.rows_grad(z, cw, g, out=out)
+        return fused_tile.focal_rows_grad(z, cw, self.gamma, g, out=out)
+
+    def grad(self, z, cw, g, out):
+        if self.gamma is None:
+            fused_tile.grad(z, cw, g, out=out)
+        else:
+            fused_tile.focal_grad(z, cw, self.gamma, g, out=out)
+
+
 def _metric_counts(fp, logits, ids, num_items):
     """`[4, N]` TP/FP/FN/TN: FP is the tiles' count of z > 0 (negatives only), TP the positives' own."""
     tp, num_pos = positives.hits(logits, ids), positives.num_positives(ids)
@@ -82,7 +114,8 @@ def _grad_buffers(h, item_weight, bias, need_h, need_items, need_bias):
     )
 
 
-def rows_forward(hidden, item_weight, bias, class_weight, pos_weight, targets, block_v, compute_metrics, offset=0):
+def rows_forward(hidden, item_weight, bias, class_weight, pos_weight, targets, block_v, compute_metrics, offset=0,
+                 focal=None):
     """Per-position rows (weight 1) over the table's items `[offset, offset + V)`.
 
     `targets [N, L]` are global ids; ids outside the table's range are ignored like padding
@@ -98,13 +131,14 @@ def rows_forward(hidden, item_weight, bias, class_weight, pos_weight, targets, b
     h = hidden.to(acc)
     rows = torch.zeros(n, dtype=acc, device=hidden.device)
     false_positives = torch.zeros(n, dtype=torch.float32, device=hidden.device)
-    tiles = _Tiles(h, item_weight, bias, class_weight, ids, block_v)
+    negatives = _NegativeTerms(class_weight, focal, num_items, h.dtype, h.device)
+    tiles = _Tiles(h, item_weight, bias, negatives.class_weight, ids, block_v)
     for _, _, z, _, _, cw in tiles:
         if compute_metrics:
             false_positives += fused_tile.counts(z)
-        rows += fused_tile.rows(z, cw)
+        rows += negatives.rows(z, cw)
     logits = tiles.positives.logits
-    rows += positives.positive_terms(logits, ids, class_weight, pos_weight)[0].sum(-1)
+    rows += positives.positive_terms(logits, ids, class_weight, pos_weight, focal=focal)[0].sum(-1)
     if compute_metrics:
         counts = _metric_counts(false_positives, logits, ids, num_items)
     else:
@@ -112,7 +146,7 @@ def rows_forward(hidden, item_weight, bias, class_weight, pos_weight, targets, b
     return rows, counts, logits, ids
 
 
-def rows_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, logits, g, block_v, need):
+def rows_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, logits, g, block_v, need, focal=None):
     """Gradients of `sum_n g[n] rows[n]`: `(d_hidden, d_items, d_bias)` in the accumulation dtype,
     None where `need` (three bools) says no. Recomputes every logits tile (a fourth matmul per tile)."""
     h = hidden.to(positives.accumulation_dtype(hidden.dtype))
@@ -120,17 +154,19 @@ def rows_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, logi
     g_column = g.unsqueeze(-1).clone()  # not a view: the compiled tile functions take it as is
     d_hidden, d_items, d_bias = _grad_buffers(h, item_weight, bias, *need)
     if any(need):
-        tiles = _Tiles(h, item_weight, bias, class_weight, ids, block_v, with_grad=True, keep_logits=False)
+        negatives = _NegativeTerms(class_weight, focal, item_weight.shape[0], h.dtype, h.device)
+        tiles = _Tiles(h, item_weight, bias, negatives.class_weight, ids, block_v, with_grad=True,
+                       keep_logits=False)
         for start, stop, z, dz, items, cw in tiles:
-            fused_tile.grad(z, cw, g_column, out=dz)
+            negatives.grad(z, cw, g_column, out=dz)
             _add_tile_grads(dz, items, h, start, stop, d_hidden, d_items, d_bias)
-        dz_positives = positives.positive_terms(logits, ids, class_weight, pos_weight, g)[1]
+        dz_positives = positives.positive_terms(logits, ids, class_weight, pos_weight, g, focal=focal)[1]
         positives.add_positive_grads(dz_positives, ids, h, item_weight, d_hidden, d_items, d_bias)
     return d_hidden, d_items, d_bias
 
 
 def loss_and_grads(hidden, item_weight, bias, weight, class_weight, pos_weight, targets, divisor, block_v,
-                   compute_metrics, need):
+                   compute_metrics, need, focal=None):
     """The 'sum' / 'mean' loss `sum_n weight[n] rows[n] / divisor` and its gradients, in one pass.
 
     The row gradient `g[n] = weight[n] / divisor` is known before the forward, so each logits tile
@@ -154,18 +190,19 @@ def loss_and_grads(hidden, item_weight, bias, weight, class_weight, pos_weight, 
     with_grads = any(need)
     rows = torch.zeros(n, dtype=acc, device=h.device)
     false_positives = torch.zeros(n, dtype=torch.float32, device=h.device)
-    tiles = _Tiles(h, item_weight, bias, class_weight, ids, block_v, with_grads)
+    negatives = _NegativeTerms(class_weight, focal, num_items, acc, h.device)
+    tiles = _Tiles(h, item_weight, bias, negatives.class_weight, ids, block_v, with_grads)
     for start, stop, z, dz, items, cw in tiles:
         if compute_metrics:
             false_positives += fused_tile.counts(z)
         if with_grads:
-            rows += fused_tile.rows_grad(z, cw, g_column, out=dz)
+            rows += negatives.rows_grad(z, cw, g_column, out=dz)
             _add_tile_grads(dz, items, h, start, stop, d_hidden, d_items, d_bias)
         else:
-            rows += fused_tile.rows(z, cw)
+            rows += negatives.rows(z, cw)
     logits = tiles.positives.logits
     loss_positives, dz_positives = positives.positive_terms(
-        logits, ids, class_weight, pos_weight, g if with_grads else None)
+        logits, ids, class_weight, pos_weight, g if with_grads else None, focal=focal)
     rows += loss_positives.sum(-1)
     if with_grads:
         positives.add_positive_grads(dz_positives, ids, h, item_weight, d_hidden, d_items, d_bias)

@@ -16,7 +16,20 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from jax_kernels.focal import Focal
 from torch_cutbce import native, positives
+
+# A focal option crosses the op boundary as three plain values (custom ops take no objects):
+# (gamma, alpha, apply_class_balancing); gamma < 0 stands for "no focal" (plain BCE).
+_PLAIN = (-1.0, 0.0, False)
+
+
+def _focal_args(focal: Focal | None) -> tuple[float, float, bool]:
+    return _PLAIN if focal is None else (focal.gamma, focal.alpha, focal.apply_class_balancing)
+
+
+def _focal(gamma: float, alpha: float, balancing: bool) -> Focal | None:
+    return None if gamma < 0 else Focal(gamma, alpha, balancing)
 
 
 def check_ids_below(targets: Tensor, limit: int) -> None:
@@ -57,15 +70,16 @@ def _cast(grad: Tensor, dtype: torch.dtype) -> Tensor:
 @torch.library.custom_op("torch_cutbce::rows", mutates_args=())
 def _rows(hidden: Tensor, item_weight: Tensor, bias: Tensor | None, class_weight: Tensor | None,
           pos_weight: Tensor | None, targets: Tensor, block_v: int, compute_metrics: bool, offset: int,
-          id_limit: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+          id_limit: int, gamma: float, alpha: float, balancing: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     check_ids_below(targets, id_limit)
     with torch.autocast(hidden.device.type, enabled=False), torch.no_grad():
         return native.rows_forward(hidden, item_weight, bias, class_weight, pos_weight, targets, block_v,
-                                   compute_metrics, offset)
+                                   compute_metrics, offset, focal=_focal(gamma, alpha, balancing))
 
 
 @_rows.register_fake
-def _(hidden, item_weight, bias, class_weight, pos_weight, targets, block_v, compute_metrics, offset, id_limit):
+def _(hidden, item_weight, bias, class_weight, pos_weight, targets, block_v, compute_metrics, offset, id_limit,
+      gamma, alpha, balancing):
     acc = positives.accumulation_dtype(hidden.dtype)
     n = hidden.shape[0]
     return (hidden.new_empty((n,), dtype=acc),
@@ -77,25 +91,27 @@ def _(hidden, item_weight, bias, class_weight, pos_weight, targets, block_v, com
 @torch.library.custom_op("torch_cutbce::rows_backward", mutates_args=())
 def _rows_backward(hidden: Tensor, item_weight: Tensor, bias: Tensor | None, class_weight: Tensor | None,
                    pos_weight: Tensor | None, ids: Tensor, logits: Tensor, g: Tensor, block_v: int,
-                   need_hidden: bool, need_items: bool, need_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+                   need_hidden: bool, need_items: bool, need_bias: bool, gamma: float, alpha: float,
+                   balancing: bool) -> tuple[Tensor, Tensor, Tensor]:
     with torch.autocast(hidden.device.type, enabled=False), torch.no_grad():
         grads = native.rows_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, logits, g,
-                                     block_v, (need_hidden, need_items, need_bias))
+                                     block_v, (need_hidden, need_items, need_bias),
+                                     focal=_focal(gamma, alpha, balancing))
     return tuple(_no_grad_buffer(logits) if d is None else d for d in grads)
 
 
 @_rows_backward.register_fake
 def _(hidden, item_weight, bias, class_weight, pos_weight, ids, logits, g, block_v, need_hidden, need_items,
-      need_bias):
+      need_bias, gamma, alpha, balancing):
     shapes = (hidden.shape, item_weight.shape, item_weight.shape[:1])
     return tuple(logits.new_empty(shape if need else (0,)) for shape, need in
                  zip(shapes, (need_hidden, need_items, need_bias and bias is not None)))
 
 
 def _rows_setup(ctx, inputs, output):
-    hidden, item_weight, bias, class_weight, pos_weight, _, block_v, _, _, _ = inputs
+    hidden, item_weight, bias, class_weight, pos_weight, _, block_v, _, _, _, *focal = inputs
     ctx.save_for_backward(hidden, item_weight, bias, class_weight, pos_weight, output[3], output[2])
-    ctx.block_v = block_v
+    ctx.block_v, ctx.focal = block_v, focal
 
 
 def _rows_grad(ctx, g_rows, _g_counts, _g_logits, _g_ids):
@@ -103,22 +119,22 @@ def _rows_grad(ctx, g_rows, _g_counts, _g_logits, _g_ids):
     hidden, item_weight, bias, class_weight, pos_weight, ids, logits = ctx.saved_tensors
     need = ctx.needs_input_grad[:3]
     grads = _rows_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, logits, g_rows,
-                           ctx.block_v, need[0], need[1], need[2] and bias is not None)
+                           ctx.block_v, need[0], need[1], need[2] and bias is not None, *ctx.focal)
     inputs = (hidden, item_weight, bias)
     return (*(_cast(d, x.dtype) if n else None for d, x, n in zip(grads, inputs, need)),
-            None, None, None, None, None, None, None)
+            None, None, None, None, None, None, None, None, None, None)
 
 
 _rows.register_autograd(_rows_grad, setup_context=_rows_setup)
 
 
 def rows(hidden, item_weight, bias, class_weight, pos_weight, targets, *, block_v, compute_metrics,
-         offset=0, id_limit=None):
+         offset=0, id_limit=None, focal=None):
     """`(rows [N], counts [4, N] or [0, N])` of `native.rows_forward`; ids >= `id_limit` (default:
     the table's V) raise (CPU) or assert (CUDA)."""
     limit = item_weight.shape[0] if id_limit is None else id_limit
     out = _rows(hidden, item_weight, bias, class_weight, pos_weight, targets, block_v, compute_metrics,
-                offset, limit)
+                offset, limit, *_focal_args(focal))
     return out[0], out[1]
 
 
@@ -128,19 +144,20 @@ def rows(hidden, item_weight, bias, class_weight, pos_weight, targets, *, block_
 @torch.library.custom_op("torch_cutbce::loss", mutates_args=())
 def _loss(hidden: Tensor, item_weight: Tensor, bias: Tensor | None, weight: Tensor | None,
           class_weight: Tensor | None, pos_weight: Tensor | None, targets: Tensor, divisor: float, block_v: int,
-          compute_metrics: bool, need_hidden: bool, need_items: bool, need_bias: bool
-          ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+          compute_metrics: bool, need_hidden: bool, need_items: bool, need_bias: bool, gamma: float,
+          alpha: float, balancing: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     check_ids_below(targets, item_weight.shape[0])
     with torch.autocast(hidden.device.type, enabled=False), torch.no_grad():
         out = native.loss_and_grads(hidden, item_weight, bias, weight, class_weight, pos_weight, targets,
-                                    divisor, block_v, compute_metrics, (need_hidden, need_items, need_bias))
+                                    divisor, block_v, compute_metrics, (need_hidden, need_items, need_bias),
+                                    focal=_focal(gamma, alpha, balancing))
     loss, counts, row_losses = out[:3]
     return (loss, counts, row_losses, *(_no_grad_buffer(row_losses) if d is None else d for d in out[3:]))
 
 
 @_loss.register_fake
 def _(hidden, item_weight, bias, weight, class_weight, pos_weight, targets, divisor, block_v, compute_metrics,
-      need_hidden, need_items, need_bias):
+      need_hidden, need_items, need_bias, gamma, alpha, balancing):
     acc = positives.accumulation_dtype(hidden.dtype)
     grads = [hidden.new_empty(shape if need else (0,), dtype=acc) for shape, need in
              zip((hidden.shape, item_weight.shape, item_weight.shape[:1]),
@@ -171,18 +188,18 @@ def _loss_grad(ctx, g_loss, *_):
     if need[3]:
         scale = g_loss.to(row_losses.dtype) / torch.tensor(ctx.divisor, dtype=row_losses.dtype)
         d_weight = (row_losses * scale).to(ctx.dtypes[3])
-    return (*out, d_weight, None, None, None, None, None, None, None, None, None)
+    return (*out, d_weight, None, None, None, None, None, None, None, None, None, None, None, None)
 
 
 _loss.register_autograd(_loss_grad, setup_context=_loss_setup)
 
 
 def loss(hidden, item_weight, bias, weight, class_weight, pos_weight, targets, *, divisor, block_v,
-         compute_metrics):
+         compute_metrics, focal=None):
     """`(loss [], counts [4] or [0])` of `native.loss_and_grads`, the gradients computed only for the
     inputs that require them while grad mode is on."""
     grad_on = torch.is_grad_enabled()
     need = [grad_on and x is not None and x.requires_grad for x in (hidden, item_weight, bias)]
     out = _loss(hidden, item_weight, bias, weight, class_weight, pos_weight, targets, float(divisor), block_v,
-                compute_metrics, *need)
+                compute_metrics, *need, *_focal_args(focal))
     return out[0], out[1]

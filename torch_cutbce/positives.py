@@ -71,12 +71,13 @@ class TilePositives:
         flat.index_fill_(0, slots, float("-inf"))
 
 
-def positive_terms(logits, ids, class_weight, pos_weight, g=None):
+def positive_terms(logits, ids, class_weight, pos_weight, g=None, focal=None):
     """Each positive's own loss and gradient: `[N, L]` loss and, with the row gradient `g` `[N]`, dz.
 
-    `loss = cw pw softplus(-z)`, `dz = -g cw pw sigmoid(-z)` at valid ids (`ids >= 0`), exactly 0
-    elsewhere (`where`, not a product: a padded slot's undefined logit never leaks in). Weights are
-    `[V]` or None; computed in `logits`' dtype.
+    `loss = w softplus(-z)`, `dz = -g w sigmoid(-z)`, `w = cw pw`, at valid ids (`ids >= 0`), exactly
+    0 elsewhere (`where`, not a product: a padded slot's undefined logit never leaks in). With a
+    `jax_kernels.focal.Focal`, the focal term of u = -z (`focal.py`) and `w = cw pw positive_scale`.
+    Weights are `[V]` or None; computed in `logits`' dtype.
     """
     valid = ids >= 0
     index = ids.clamp(min=0)
@@ -85,14 +86,24 @@ def positive_terms(logits, ids, class_weight, pos_weight, g=None):
         if w is not None:
             w = w.to(logits.dtype)[index]
             weight = w if weight is None else weight * w
-    zs = -logits
-    loss = zs.clamp(min=0) + torch.log1p(torch.exp(-zs.abs()))
+    if focal is not None and focal.positive_scale != 1.0:
+        weight = focal.positive_scale if weight is None else weight * focal.positive_scale
+    u = -logits  # the logit seen from the positive's label
+    log1p_e = torch.log1p(torch.exp(-u.abs()))
+    softplus = u.clamp(min=0) + log1p_e
+    focusing = None
+    if focal is not None and focal.gamma != 0.0:
+        focusing = torch.exp(-focal.gamma * ((-u).clamp(min=0) + log1p_e))  # sigmoid(u)^gamma
+    loss = softplus if focusing is None else focusing * softplus
     if weight is not None:
         loss = loss * weight
     loss = torch.where(valid, loss, 0.0)
     if g is None:
         return loss, None
-    dz = torch.sigmoid(zs).neg_() * g.unsqueeze(-1)
+    d_term = torch.sigmoid(u)  # d softplus(u) / du
+    if focusing is not None:
+        d_term = focusing * (focal.gamma * torch.sigmoid(-u) * softplus + d_term)
+    dz = d_term.neg_() * g.unsqueeze(-1)  # du / dz = -1
     if weight is not None:
         dz = dz * weight
     return loss, torch.where(valid, dz, 0.0)

@@ -26,8 +26,14 @@ def dense_bce_with_logits(
     pos_weight: torch.Tensor | None = None,
     reduction: str = "mean",
     return_metrics: bool = False,
+    focal=None,
 ):
     """CutBCE's loss computed the O(N V)-memory way. Arguments as `cut_bce_with_logits`.
+
+    With `focal` (a `jax_kernels.focal.Focal`) the focal loss, written from its definition in logit
+    space and independent of the engines' formulas: each element's BCE `log(1 + exp(u))` (u the
+    logit seen from the element's label) times `exp(gamma * logsigmoid(u))` = `(1 - p_t)^gamma`,
+    times alpha / 1 - alpha with class balancing; `pos_weight` and the weights multiply as in BCE.
 
     Computes in float32, or float64 for float64 `hidden` (the native path's rule): every float
     input is cast to that dtype first, so a bias (or weight) of another float dtype works, and
@@ -50,7 +56,10 @@ def dense_bce_with_logits(
             elem_weight = elem_weight * weight.unsqueeze(-1)
         if class_weight is not None:
             elem_weight = elem_weight * class_weight
-    elementwise = F.binary_cross_entropy_with_logits(logits, multi_hot, pos_weight=pos_weight, reduction="none")
+    if focal is None:
+        elementwise = F.binary_cross_entropy_with_logits(logits, multi_hot, pos_weight=pos_weight, reduction="none")
+    else:
+        elementwise = _focal_elementwise(logits, multi_hot, pos_weight, focal)
     if elem_weight is not None:
         # Same as BCE's weight= argument (an elementwise factor), but differentiable in `weight`.
         elementwise = elementwise * elem_weight
@@ -74,3 +83,15 @@ def dense_bce_with_logits(
     if reduction != "none":
         counts = [c.sum() for c in counts]
     return loss, CutBCEMetrics(*counts).reshape(lead_shape if reduction == "none" else ())
+
+
+def _focal_elementwise(logits, multi_hot, pos_weight, focal):
+    """`[*S, V]` focal terms: `(1 - p_t)^gamma * BCE`, from logsigmoid and logaddexp (stable for any logit)."""
+    u = logits * (1 - 2 * multi_hot)  # the logit seen from each element's own label
+    bce = torch.logaddexp(u, torch.zeros_like(u))
+    terms = torch.exp(focal.gamma * F.logsigmoid(u)) * bce
+    positive_factor = torch.ones_like(logits) if pos_weight is None else pos_weight.expand_as(logits)
+    if focal.apply_class_balancing:
+        positive_factor = positive_factor * focal.alpha
+        return terms * torch.where(multi_hot > 0, positive_factor, 1 - focal.alpha)
+    return terms * torch.where(multi_hot > 0, positive_factor, 1.0)

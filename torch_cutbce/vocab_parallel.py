@@ -86,7 +86,7 @@ class _SumOverRanks(torch.autograd.Function):
 
 
 def vocab_parallel_rows(hidden, item_weight, bias, class_weight, pos_weight, targets, *, options: VocabParallelOptions,
-                        block_v: int, compute_metrics: bool):
+                        block_v: int, compute_metrics: bool, focal=None):
     """Rows `[N]` and counts `[4 or 0, N]` over the whole catalog, this rank holding `options`' slice.
 
     Called by `cut_bce_with_logits(..., vocab_parallel=options)` with `[N, D]` / `[N, L]` inputs;
@@ -100,7 +100,8 @@ def vocab_parallel_rows(hidden, item_weight, bias, class_weight, pos_weight, tar
     # Global ids: the op keeps those in [start, stop) as local ids, the others are another rank's;
     # ids >= the global V raise (CPU) or assert (CUDA) inside the op, as on one device.
     rows, counts = ops.rows(hidden, item_weight, bias, class_weight, pos_weight, targets, block_v=block_v,
-                            compute_metrics=compute_metrics, offset=options.start, id_limit=options.num_items)
+                            compute_metrics=compute_metrics, offset=options.start, id_limit=options.num_items,
+                            focal=focal)
     # One all_reduce: counts are integers below 2**24, exact in float32 and float64.
     stacked = _SumOverRanks.apply(torch.cat([rows[None], counts.to(rows.dtype)]), options.group)
     return stacked[0], stacked[1:].detach().float()

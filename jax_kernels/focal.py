@@ -1,0 +1,71 @@
+"""The focal variant's options, shared by both frameworks (framework-neutral: plain Python).
+
+Focal BCE (Lin et al.; Keras `BinaryFocalCrossentropy` semantics, the seed's
+`cut_binary_focal_cross_entropy`) scales each element's BCE term by `(1 - p_t)^gamma`, where p_t is
+the probability the model gives the element's own label. In logit space, with `u = z` for a
+negative and `u = -z` for a positive (the logit seen from the element's label):
+
+    term(u) = sigmoid(u)^gamma * softplus(u),     sigmoid(u)^gamma = exp(-gamma * softplus(-u))
+    d term / du = sigmoid(u)^gamma * (gamma * sigmoid(-u) * softplus(u) + sigmoid(u))
+
+finite for every u and every gamma >= 0 (fractional gamma included: no negative power appears).
+With `apply_class_balancing`, positives are multiplied by `alpha` and negatives by `1 - alpha`.
+`class_weight` and `pos_weight` multiply as in plain CutBCE. `gamma = 0` without balancing is plain
+CutBCE, and the engines run the plain code for it (bit for bit the same result).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+@dataclasses.dataclass(frozen=True)
+class Focal:
+    """Focal loss options (hashable: part of static configs and cache keys).
+
+    Attributes:
+      gamma: the focusing exponent, a float >= 0 (Keras' default 2.0).
+      alpha: the positives' share when `apply_class_balancing` (Keras' default 0.25), in [0, 1].
+      apply_class_balancing: multiply positives by alpha and negatives by 1 - alpha (Keras' default
+        False).
+    """
+
+    gamma: float = 2.0
+    alpha: float = 0.25
+    apply_class_balancing: bool = False
+
+    def __post_init__(self):
+        for name in ("gamma", "alpha"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise TypeError(f"focal {name} must be a finite float, got {value!r}")
+        if self.gamma < 0:
+            raise ValueError(f"focal gamma must be >= 0, got {self.gamma}")
+        if not 0 <= self.alpha <= 1:
+            raise ValueError(f"focal alpha must be in [0, 1], got {self.alpha}")
+        if not isinstance(self.apply_class_balancing, bool):
+            raise TypeError(f"focal apply_class_balancing must be a bool, got {self.apply_class_balancing!r}")
+        object.__setattr__(self, "gamma", float(self.gamma))
+        object.__setattr__(self, "alpha", float(self.alpha))
+
+    @property
+    def positive_scale(self) -> float:
+        """What every positive's term is multiplied by (alpha with balancing, else 1)."""
+        return self.alpha if self.apply_class_balancing else 1.0
+
+    @property
+    def negative_scale(self) -> float:
+        """What every negative's term is multiplied by (1 - alpha with balancing, else 1)."""
+        return 1.0 - self.alpha if self.apply_class_balancing else 1.0
+
+
+def check_focal(focal) -> Focal | None:
+    """The `focal` argument of an entry, checked and normalised: None for plain CutBCE (also for a
+    `Focal` with gamma = 0 and no class balancing, which is plain BCE: the plain code then runs, bit
+    for bit), else the `Focal`. Anything else is a TypeError naming the argument."""
+    if focal is None:
+        return None
+    if not isinstance(focal, Focal):
+        raise TypeError(f"focal must be None or a Focal(gamma, alpha, apply_class_balancing), got {focal!r}")
+    return None if focal.gamma == 0.0 and not focal.apply_class_balancing else focal
