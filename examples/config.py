@@ -16,6 +16,7 @@ from pathlib import Path
 from examples import data
 
 MODEL_NAMES = ("sasrec", "bert4rec")
+LOSSES = ("cutbce", "focal", "dense")
 
 
 def option(default, help: str, **argparse_kwargs):
@@ -35,8 +36,12 @@ class TrainConfig:
                                 "into ~/.cache/torch-cutbce); yambda: the parquet file or folder (required)")
     synthetic_items: int = option(100_000, "--dataset synthetic: catalog size V")
     synthetic_users: int = option(10_000, "--dataset synthetic: number of users")
-    loss: str = option("cutbce", "cutbce, or dense: the materialized BCEWithLogitsLoss it replaces (the A/B)",
-                       choices=("cutbce", "dense"))
+    loss: str = option("cutbce", "cutbce; focal: focal CutBCE (--focal-gamma, --focal-alpha, "
+                                 "--focal-balancing); dense: the materialized BCEWithLogitsLoss it replaces (the A/B)",
+                       choices=LOSSES)
+    focal_gamma: float = option(2.0, "--loss focal: the focusing exponent gamma >= 0")
+    focal_alpha: float = option(0.25, "--loss focal with --focal-balancing: the positives' weight alpha in [0, 1]")
+    focal_balancing: bool = option(False, "--loss focal: weigh positives by alpha and negatives by 1 - alpha")
     device: str = option("cpu", "cpu, or xla: torch_xla (a TPU, or PJRT_DEVICE=CPU)", choices=("cpu", "xla"))
     mesh: str = option("", "with --device xla: DATAxMODEL devices for torch_xla SPMD, e.g. 2x2 (the item table "
                            "split along V over MODEL); empty: one device")
@@ -85,7 +90,7 @@ class TrainConfig:
         Raises:
             ValueError: a value out of its range or set.
         """
-        for name, allowed in (("model", MODEL_NAMES), ("dataset", data.DATASETS), ("loss", ("cutbce", "dense")),
+        for name, allowed in (("model", MODEL_NAMES), ("dataset", data.DATASETS), ("loss", LOSSES),
                               ("device", ("cpu", "xla"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"unknown --{name} {getattr(self, name)!r}; choose one of {', '.join(allowed)}")
@@ -111,7 +116,9 @@ class TrainConfig:
         for name, ok, rule in (("mask_prob", 0 < self.mask_prob <= 1, "in (0, 1]"), ("lr", self.lr > 0, "> 0"),
                                ("pos_weight", self.pos_weight > 0, "> 0"),
                                ("dropout", 0 <= self.dropout < 1, "in [0, 1)"),
-                               ("weight_decay", self.weight_decay >= 0, ">= 0")):
+                               ("weight_decay", self.weight_decay >= 0, ">= 0"),
+                               ("focal_gamma", self.focal_gamma >= 0, ">= 0"),
+                               ("focal_alpha", 0 <= self.focal_alpha <= 1, "in [0, 1]")):
             if not ok:
                 raise ValueError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(self, name)}")
         if not self.out_dir:

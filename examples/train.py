@@ -44,7 +44,7 @@ from examples.checkpoint import atomic_save, rng_states, set_rng_states, to_cpu
 from examples.device import get_device, make_mesh, shard, sync
 from examples.evaluate import evaluate, format_metrics, model_query, popularity_query
 from examples.sasrec import RecConfig, SASRec
-from torch_cutbce import cut_bce_with_logits
+from torch_cutbce import Focal, cut_bce_with_logits
 
 MODELS = {"sasrec": SASRec, "bert4rec": BERT4Rec}
 
@@ -99,9 +99,10 @@ def bce_loss(hidden, item_weight, bias, targets, weight, pos_weight, cfg: TrainC
     """
     num_items = item_weight.shape[0]
     denominator = weight.sum().clamp(min=1) * num_items
-    if cfg.loss == "cutbce":
+    if cfg.loss in ("cutbce", "focal"):
+        focal = Focal(cfg.focal_gamma, cfg.focal_alpha, cfg.focal_balancing) if cfg.loss == "focal" else None
         total = cut_bce_with_logits(hidden, item_weight, targets, bias, weight=weight, pos_weight=pos_weight,
-                                    reduction="sum", block_v=cfg.block_v or None, mesh=mesh)
+                                    reduction="sum", block_v=cfg.block_v or None, mesh=mesh, focal=focal)
         return total / denominator
     logits = hidden @ item_weight.T  # [B, T, V]
     if bias is not None:

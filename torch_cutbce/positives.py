@@ -112,14 +112,16 @@ def positive_terms(logits, ids, class_weight, pos_weight, g=None, focal=None):
 def add_positive_grads(dz, ids, h, item_weight, d_hidden, d_items, d_bias):
     """Adds the positives' `dz` `[N, L]` to the gradients (None where not needed): `d_hidden[n] +=
     sum_l dz[n, l] item_weight[id]`, `d_items[id] += dz[n, l] h[n]`, `d_bias[id] += dz[n, l]`.
-    Padded slots add an exact 0 (selected by `where`, so an inf in h or the table cannot make nan)."""
-    valid = ids >= 0
+    Padded slots add an exact 0 (masked after the product, so an inf in h or the table cannot make
+    nan). One `[N, L, D]` temporary at a time."""
+    padded = (ids < 0).unsqueeze(-1)
     index = ids.clamp(min=0)
     if d_hidden is not None:
-        rows = item_weight[index].to(dz.dtype) * dz.unsqueeze(-1)
-        d_hidden += torch.where(valid.unsqueeze(-1), rows, 0.0).sum(1)
+        rows = item_weight[index].to(dz.dtype).mul_(dz.unsqueeze(-1)).masked_fill_(padded, 0.0)
+        d_hidden += rows.sum(1)
+        del rows
     if d_items is not None:
-        per_slot = torch.where(valid.unsqueeze(-1), h.unsqueeze(1) * dz.unsqueeze(-1), 0.0)
+        per_slot = (h.unsqueeze(1) * dz.unsqueeze(-1)).masked_fill_(padded, 0.0)
         d_items.index_add_(0, index.reshape(-1), per_slot.flatten(0, 1))
     if d_bias is not None:
         d_bias.index_add_(0, index.reshape(-1), dz.reshape(-1))
