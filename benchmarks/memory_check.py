@@ -15,6 +15,7 @@ bound issue 2 sets for the default shape).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ctypes
 import ctypes.util
 import gc
@@ -26,7 +27,7 @@ import time
 import torch
 
 from proc_memory import MIB, peak_rss_bytes, reset_peak_rss, rss_bytes
-from torch_cutbce import cut_bce_with_logits
+from torch_cutbce import Focal, cut_bce_with_logits
 
 
 
@@ -53,8 +54,9 @@ def make_inputs(num_positions, num_items, hidden_size, num_slots, dtype, seed=0)
     return hidden.requires_grad_(), item_weight.requires_grad_(), targets
 
 
-def forward_backward(hidden, item_weight, targets, reduction, block_v):
-    loss = cut_bce_with_logits(hidden, item_weight, targets, reduction=reduction, block_v=block_v, backend="native")
+def forward_backward(hidden, item_weight, targets, reduction, block_v, focal=None):
+    loss = cut_bce_with_logits(hidden, item_weight, targets, reduction=reduction, block_v=block_v, backend="native",
+                               focal=focal)
     if reduction == "none":
         upstream = torch.rand(loss.shape, generator=torch.Generator().manual_seed(1), dtype=loss.dtype)
         loss.backward(upstream)
@@ -63,14 +65,14 @@ def forward_backward(hidden, item_weight, targets, reduction, block_v):
     return loss
 
 
-def measure(num_positions, num_items, hidden_size, num_slots, dtype, reduction, block_v) -> dict:
+def measure(num_positions, num_items, hidden_size, num_slots, dtype, reduction, block_v, focal=None) -> dict:
     hidden, item_weight, targets = make_inputs(num_positions, num_items, hidden_size, num_slots, getattr(torch, dtype))
     release_free_memory()
     reset = reset_peak_rss()
     baseline_mib = rss_bytes() / MIB
     grads_mib = (hidden.nbytes + item_weight.nbytes) / MIB
     start = time.perf_counter()
-    loss = forward_backward(hidden, item_weight, targets, reduction, block_v)
+    loss = forward_backward(hidden, item_weight, targets, reduction, block_v, focal)
     wall_s = time.perf_counter() - start
     peak_mib = peak_rss_bytes() / MIB
     assert hidden.grad is not None and item_weight.grad is not None
@@ -81,6 +83,7 @@ def measure(num_positions, num_items, hidden_size, num_slots, dtype, reduction, 
         "extra_mib": round(peak_mib - baseline_mib - grads_mib, 1),
         "dense_logits_mib": round(num_positions * num_items * 4 / MIB, 1),
         "wall_s": round(wall_s, 2), "finite": bool(torch.isfinite(loss).all()), "peak_was_reset": reset,
+        "focal": None if focal is None else dataclasses.asdict(focal),
     }
 
 
@@ -95,16 +98,19 @@ def main(argv=None) -> int:
     parser.add_argument("--block-v", type=int, default=None, help="vocabulary tile (default: the library's)")
     parser.add_argument("--limit-mib", type=float, default=4096.0, help="fail when a peak RSS exceeds this")
     parser.add_argument("--json", action="store_true", help="print one JSON object per measurement")
+    parser.add_argument("--focal-gamma", type=float, default=None,
+                        help="measure the focal loss with this gamma (class balancing on, alpha 0.25)")
     args = parser.parse_args(argv)
+    focal = None if args.focal_gamma is None else Focal(args.focal_gamma, 0.25, apply_class_balancing=True)
 
     # Warm up kernels, compiled tile functions and thread pools on a tiny problem first.
     for reduction in args.reduction:
         forward_backward(*make_inputs(64, 256, args.hidden_size, args.num_slots, getattr(torch, args.dtype)),
-                         reduction, None)
+                         reduction, None, focal)
     status = 0
     for num_items, reduction in itertools.product(args.num_items, args.reduction):
         result = measure(args.num_positions, num_items, args.hidden_size, args.num_slots, args.dtype,
-                         reduction, args.block_v)
+                         reduction, args.block_v, focal)
         if args.json:
             print(json.dumps(result), flush=True)
         else:

@@ -8,6 +8,7 @@ _PUBLIC = {
     "cut_bce": "jax_kernels.api",
     "cut_bce_sharded": "jax_kernels.sharded",
     "dense_cut_bce": "jax_kernels.reference",
+    "Focal": "jax_kernels.focal",
     "CutBCEConfig": "jax_kernels.core",
     "cut_bce_forward": "jax_kernels.core",
     "cut_bce_backward": "jax_kernels.core",

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 from jax_kernels.arguments import prepare
 from jax_kernels.core import CutBCEConfig, cut_bce_rows, cut_bce_weighted_sum
+from jax_kernels.focal import check_focal
 from jax_kernels.positives import accumulation_dtype
 from jax_kernels.reference import reduce_rows
 from jax_kernels.shapes import default_block_v, reduction_divisor
@@ -52,6 +53,7 @@ def cut_bce(
     mesh=None,
     vocab_axis="model",
     data_axis="data",
+    focal=None,
 ):
     """Binary cross-entropy of `hidden @ item_weight.T + bias` against multi-hot targets, without the logits.
 
@@ -89,10 +91,15 @@ def cut_bce(
       mesh, vocab_axis, data_axis: run sharded over a device mesh, the item table split along V
         on `vocab_axis` and the positions on `data_axis` (`jax_kernels.sharded.cut_bce_sharded`
         documents the rules); None (default) runs on one device.
+      focal: a `jax_kernels.Focal(gamma, alpha, apply_class_balancing)`: the focal loss (Keras'
+        `BinaryFocalCrossentropy`; the formula is in `jax_kernels.reference`), exact on every
+        path; None (default): plain BCE. `Focal(gamma=0)` without balancing is plain BCE, bit for
+        bit. Anything else raises a TypeError naming focal.
 
     Returns:
       The loss (float32, or float64 for float64 inputs), or `(loss, (tp, fp, fn, tn))`.
     """
+    focal = check_focal(focal)
     size, a = prepare(hidden, item_weight, targets, bias, weight, class_weight, pos_weight,
                       reduction=reduction, block_v=block_v)
     hidden, item_weight, targets, bias = a["hidden"], a["item_weight"], a["targets"], a["bias"]
@@ -105,12 +112,14 @@ def cut_bce(
             hidden, item_weight, targets, bias, mesh=mesh, vocab_axis=vocab_axis, data_axis=data_axis,
             weight=weight, class_weight=class_weight, pos_weight=pos_weight, reduction=reduction,
             return_metrics=return_metrics, block_v=block_v, impl=impl, block_sizes=block_sizes,
+            focal=focal,
         )
     config = CutBCEConfig(
         block_v=block_v or default_block_v(size.num_positions, size.num_items),
         compute_metrics=return_metrics,
         impl=resolve_impl(impl, hidden.dtype),
         block_sizes=block_sizes,
+        focal=focal,
     )
     n = size.num_positions
     operands = (

@@ -8,6 +8,10 @@ their own branch (`cw pw softplus(-z)`, `-g cw pw sigmoid(-z)`, from the same ro
     rows[n]   = sum_v weight * l[n, v]                count_pos[n] = #{v : z > 0}
     dz[n, v]  = g[n] weight (+-sigmoid(+-z))          hits[n] = #{positives v : z > 0}
 
+Focal CutBCE (`focal`): the same two branches with softplus(u) and its slope replaced by focal's
+`term(u)` and `term'(u)` (u = z for a negative, -z at a positive; `positives.focal_terms`), times
+its class balance.
+
 A replacement, not a subtraction: a confident positive's tiny loss never meets its softplus(z).
 The positives of a tile are a gather and a scatter of O(N L) elements (on XLA:CPU about 4x
 cheaper than a boolean `[N, block_v]` mask: the tile's passes stay as they were). Three loops:
@@ -28,14 +32,15 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from jax_kernels.positives import accumulation_dtype, element_terms
+from jax_kernels.positives import accumulation_dtype, element_terms, focal_terms, log1p_unit
 
 
 class _Table:
     """The operands every tile reads: `h` in the accumulation dtype, the table and its `[V]` rows."""
 
-    def __init__(self, hidden, item_weight, bias, class_weight, pos_weight, ids, block_v):
+    def __init__(self, hidden, item_weight, bias, class_weight, pos_weight, ids, block_v, focal=None):
         self.acc = accumulation_dtype(hidden.dtype)
+        self.focal = focal
         self.h = hidden.astype(self.acc)
         self.item_weight, self.ids = item_weight, ids
         self.bias, self.class_weight, self.pos_weight = (
@@ -75,21 +80,39 @@ class _Table:
         return tile_values.at[self.rows, column].set(values, mode="drop")
 
 
-def _negative_terms(z):
-    """`(softplus(z), sigmoid(z))` of every element: the tile as if every item were a negative."""
-    no_positive = jnp.zeros(z.shape, bool)
-    return element_terms(z, no_positive, jnp.exp(-jnp.abs(z)))
+def _negative_terms(z, focal):
+    """`(loss, slope)` of every element as if it were a negative: `(softplus(z), sigmoid(z))`, or
+    with focal `ns * (term(z), term'(z))` (jax_kernels/focal.py, ns its negative_scale)."""
+    e = jnp.exp(-jnp.abs(z))
+    if focal is None:
+        return element_terms(z, jnp.zeros(z.shape, bool), e)
+    term, slope = focal_terms(z, e, _tail(e), focal.gamma)
+    return _scaled(term, focal.negative_scale), _scaled(slope, focal.negative_scale)
 
 
-def _positive_terms(z_pos):
-    """`(softplus(-z), -sigmoid(-z))` at the positives `[N, L]`."""
-    return element_terms(z_pos, jnp.ones(z_pos.shape, bool), jnp.exp(-jnp.abs(z_pos)))
+def _positive_terms(z_pos, focal):
+    """`(loss, slope)` at the positives `[N, L]`: `(softplus(-z), -sigmoid(-z))`, or with focal
+    `ps * (term(-z), -term'(-z))` (u = -z at a positive, du/dz = -1; ps the positive_scale)."""
+    e = jnp.exp(-jnp.abs(z_pos))
+    if focal is None:
+        return element_terms(z_pos, jnp.ones(z_pos.shape, bool), e)
+    term, slope = focal_terms(-z_pos, e, _tail(e), focal.gamma)
+    return _scaled(term, focal.positive_scale), _scaled(-slope, focal.positive_scale)
+
+
+def _tail(e):
+    """log1p(e), e in [0, 1], as `element_terms` computes it."""
+    return jnp.log1p(e) if e.dtype == jnp.float64 else log1p_unit(e)
+
+
+def _scaled(x, scale: float):
+    return x if scale == 1.0 else x * scale
 
 
 def _tile_rows_and_counts(t, z, weight, start, j, positives, compute_counts):
     column, z_pos, weight_pos, pw_pos = positives
-    loss, slope = _negative_terms(z)
-    loss = t.replace(loss, column, pw_pos * _positive_terms(z_pos)[0])
+    loss, slope = _negative_terms(z, t.focal)
+    loss = t.replace(loss, column, pw_pos * _positive_terms(z_pos, t.focal)[0])
     rows = loss @ weight
     counts = None
     if compute_counts:
@@ -104,13 +127,14 @@ def _tile_rows_and_counts(t, z, weight, start, j, positives, compute_counts):
 def _tile_grad(t, slope, weight, g, positives):
     column, z_pos, weight_pos, pw_pos = positives
     dz = g[:, None] * slope * weight
-    return t.replace(dz, column, g[:, None] * weight_pos * pw_pos * _positive_terms(z_pos)[1])
+    return t.replace(dz, column, g[:, None] * weight_pos * pw_pos * _positive_terms(z_pos, t.focal)[1])
 
 
-def blocked_forward(hidden, item_weight, bias, class_weight, pos_weight, ids, *, block_v: int, compute_counts: bool):
+def blocked_forward(hidden, item_weight, bias, class_weight, pos_weight, ids, *, block_v: int, compute_counts: bool,
+                    focal=None):
     """Returns `(rows [N], counts [2, N] float32 or None)`: the rows in the accumulation dtype, and
     the predicted positives and hits (positives with z > 0) per row. `ids`: `positives.positive_ids`."""
-    t = _Table(hidden, item_weight, bias, class_weight, pos_weight, ids, block_v)
+    t = _Table(hidden, item_weight, bias, class_weight, pos_weight, ids, block_v, focal)
     n = hidden.shape[0]
 
     def body(j, carry):
@@ -125,7 +149,7 @@ def blocked_forward(hidden, item_weight, bias, class_weight, pos_weight, ids, *,
 
 
 def blocked_value_and_grad(hidden, item_weight, bias, class_weight, pos_weight, ids, g, *, block_v: int,
-                           compute_counts: bool):
+                           compute_counts: bool, focal=None):
     """Forward and backward in one loop, for an upstream gradient `g [N]` known before the forward.
 
     A scalar loss `sum_n g[n] rows[n]` (reductions 'mean' and 'sum') knows its row gradient up
@@ -133,7 +157,7 @@ def blocked_value_and_grad(hidden, item_weight, bias, class_weight, pos_weight, 
     three matmuls per tile instead of the four of forward + backward. Returns
     `(rows, counts or None, d_hidden, d_item_weight, d_bias or None)` in the accumulation dtype.
     """
-    t = _Table(hidden, item_weight, bias, class_weight, pos_weight, ids, block_v)
+    t = _Table(hidden, item_weight, bias, class_weight, pos_weight, ids, block_v, focal)
     g = g.astype(t.acc)
     n = hidden.shape[0]
 
@@ -150,15 +174,15 @@ def blocked_value_and_grad(hidden, item_weight, bias, class_weight, pos_weight, 
     return (rows, counts if compute_counts else None, *grads)
 
 
-def blocked_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, g, *, block_v: int):
+def blocked_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, g, *, block_v: int, focal=None):
     """Gradients of `sum_n g[n] rows[n]`: `(d_hidden [N, D], d_item_weight [V, D], d_bias [V] or None)`
     in the accumulation dtype."""
-    t = _Table(hidden, item_weight, bias, class_weight, pos_weight, ids, block_v)
+    t = _Table(hidden, item_weight, bias, class_weight, pos_weight, ids, block_v, focal)
     g = g.astype(t.acc)
 
     def body(j, grads):
         z, weight, start, items, positives = t.tile(j)
-        _, slope = _negative_terms(z)
+        _, slope = _negative_terms(z, t.focal)
         return _add_tile_grads(grads, _tile_grad(t, slope, weight, g, positives), t.h, items, start)
 
     return lax.fori_loop(0, t.num_tiles, body, _zero_grads(hidden, item_weight, bias, t.acc))

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_kernels import positives
+from jax_kernels.focal import Focal, check_focal
 from jax_kernels.blocked import blocked_backward, blocked_forward, blocked_value_and_grad
 
 IMPLS = ("blocked", "pallas")
@@ -37,18 +38,25 @@ class CutBCEConfig:
       compute_metrics: also produce the per-position counts.
       impl: 'blocked' (pure JAX) or 'pallas' (Mosaic on TPU, `interpret=True` elsewhere).
       block_sizes: Pallas tile sizes (a `jax_kernels.block_sizes.BlockSizes`), None = derived.
+      focal: a `jax_kernels.focal.Focal` (focal CutBCE), or None (plain CutBCE). A Focal that is
+        plain CutBCE (gamma = 0 without class balancing) is stored as None (`check_focal`
+        normalises it), so every engine, the torch_xla bridge and the sharded layout run the
+        plain code for it (bit for bit the plain results, and the same cache key).
     """
 
     block_v: int
     compute_metrics: bool = False
     impl: str = "blocked"
     block_sizes: object = None
+    focal: Focal | None = None
 
     def __post_init__(self):
         if self.impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
         if not isinstance(self.block_v, int) or self.block_v < 1:
             raise ValueError(f"block_v must be a positive int, got {self.block_v!r}")
+        # check_focal normalises: a Focal that is plain BCE becomes None here.
+        object.__setattr__(self, "focal", check_focal(self.focal))
 
 
 def _runs_pallas(config, hidden) -> bool:
@@ -64,12 +72,12 @@ def _forward(config, hidden, item_weight, bias, class_weight, pos_weight, ids):
 
         rows, predicted, hits = pallas_background_forward(
             hidden, item_weight, bias, class_weight, pos_weight, ids,
-            compute_counts=config.compute_metrics, block_sizes=config.block_sizes,
+            compute_counts=config.compute_metrics, block_sizes=config.block_sizes, focal=config.focal,
         )
         return rows, (jnp.stack([predicted, hits]) if config.compute_metrics else None)
     return blocked_forward(
         hidden, item_weight, bias, class_weight, pos_weight, ids,
-        block_v=config.block_v, compute_counts=config.compute_metrics,
+        block_v=config.block_v, compute_counts=config.compute_metrics, focal=config.focal,
     )
 
 
@@ -78,9 +86,11 @@ def _backward(config, hidden, item_weight, bias, class_weight, pos_weight, ids, 
         from jax_kernels.pallas_background import pallas_background_backward
 
         return pallas_background_backward(
-            hidden, item_weight, bias, class_weight, pos_weight, ids, g, block_sizes=config.block_sizes
+            hidden, item_weight, bias, class_weight, pos_weight, ids, g, block_sizes=config.block_sizes,
+            focal=config.focal,
         )
-    return blocked_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, g, block_v=config.block_v)
+    return blocked_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, g, block_v=config.block_v,
+                            focal=config.focal)
 
 
 def _value_and_grad(config, hidden, item_weight, bias, class_weight, pos_weight, ids, g):
@@ -90,12 +100,12 @@ def _value_and_grad(config, hidden, item_weight, bias, class_weight, pos_weight,
 
         rows, predicted, hits, *grads = pallas_background_value_and_grad(
             hidden, item_weight, bias, class_weight, pos_weight, ids, g,
-            compute_counts=config.compute_metrics, block_sizes=config.block_sizes,
+            compute_counts=config.compute_metrics, block_sizes=config.block_sizes, focal=config.focal,
         )
         return rows, (jnp.stack([predicted, hits]) if config.compute_metrics else None), *grads
     return blocked_value_and_grad(
         hidden, item_weight, bias, class_weight, pos_weight, ids, g,
-        block_v=config.block_v, compute_counts=config.compute_metrics,
+        block_v=config.block_v, compute_counts=config.compute_metrics, focal=config.focal,
     )
 
 
@@ -124,7 +134,7 @@ def _in_input_dtypes(hidden, item_weight, bias, grads):
 
 
 def cut_bce_forward(hidden, item_weight, targets, bias, class_weight, pos_weight, *, config: CutBCEConfig):
-    """Per-position loss rows (reference.py's formula with weight = 1).
+    """Per-position loss rows (reference.py's formula with weight = 1; focal with `config.focal`).
 
     Args:
       hidden: `[N, D]`. item_weight: `[V, D]` (same dtype). targets: `[N, L]` int; ids outside

@@ -53,6 +53,12 @@ item tile reads past V, Pallas fills that part of the block with unspecified val
 interpret mode), and the kernels mask those columns wherever they are summed over; outputs past V
 are dropped. Ids are < V, so y is False in those columns. D is never padded: the blocks span it.
 
+Focal CutBCE (`focal`, static): softplus(zs) and sigmoid(zs) above become the focal `term(zs)`
+and its derivative (jax_kernels/focal.py, `positives.focal_terms`: one more exp per element), and
+with class balancing wgt is also multiplied by alpha at a positive and 1 - alpha elsewhere. The
+masked columns past V (z = -1e30) give term = term' = 0 exactly there too. The strips' temporaries
+grow by a few `[8, bv]` values, which the VMEM model's full-tile terms already cover.
+
 Mode selection (`pallas_calls.on_platform`): `jax.lax.platform_dependent` picks the Mosaic kernel
 when the computation is lowered for TPU and the same kernel under `interpret=True` otherwise, so an
 export for TPU from a CPU host contains `tpu_custom_call` and a CPU `jit` runs the interpreter.
@@ -66,6 +72,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_kernels.block_sizes import LANES, BlockSizes, default_block_sizes
+from jax_kernels.focal import Focal
 from jax_kernels.pallas_calls import d_hidden_call, d_item_call, forward_call, on_platform
 
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -109,7 +116,7 @@ def _items_in_lanes(d):
     return d % LANES != 0
 
 
-def _prepare(hidden, item_weight, bias, class_weight, pos_weight, ids, block_sizes):
+def _prepare(hidden, item_weight, bias, class_weight, pos_weight, ids, block_sizes, focal):
     """Pick and clip the tiles, pad hidden rows (zeros) and ids (-1) to a tile multiple, shape the
     row vectors. Returns `(operands, static)`: the kernels' inputs in order and the options."""
     _check_inputs(hidden, item_weight, bias, class_weight, pos_weight, ids)
@@ -129,7 +136,7 @@ def _prepare(hidden, item_weight, bias, class_weight, pos_weight, ids, block_siz
                                 constant_values=-1))
     flags = (bias is not None, class_weight is not None, pos_weight is not None, num_slots > 0)
     return operands, dict(n_pad=n_pad, v=v, d=d, num_slots=num_slots, bs=bs, flags=flags,
-                          items_in_lanes=items_in_lanes)
+                          items_in_lanes=items_in_lanes, focal=focal)
 
 
 def pallas_background_forward(
@@ -142,6 +149,7 @@ def pallas_background_forward(
     *,
     compute_counts: bool,
     block_sizes: BlockSizes | None = None,
+    focal: Focal | None = None,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """Exact per-row loss, without materializing `[N, V]` logits (formulas: module docstring).
 
@@ -155,6 +163,8 @@ def pallas_background_forward(
             every other slot holds -1. L may be 0 (no positives).
         compute_counts: also count, per row, the items with `z > 0` and the positives among them.
         block_sizes: tiles and VMEM limit; None derives them from the chip (`default_block_sizes`).
+        focal: a `jax_kernels.focal.Focal`: each element's softplus(zs) becomes the focal
+            `term(zs)`, scaled by its class balance (`positives.focal_terms`); None: plain.
 
     Returns:
         `rows` `[N]` float32, `sum_v cw * (pw * softplus(-z) if y else softplus(z))`; and, when
@@ -167,7 +177,7 @@ def pallas_background_forward(
     """
     n = hidden.shape[0]
     operands, static = _prepare(hidden, item_weight, bias, class_weight, pos_weight, ids,
-                                block_sizes)
+                                block_sizes, focal)
     call = functools.partial(forward_call, compute_counts=compute_counts, **static)
     return _summed_rows(on_platform(call, *operands), n, compute_counts, static)
 
@@ -182,6 +192,7 @@ def pallas_background_backward(
     g: jax.Array,
     *,
     block_sizes: BlockSizes | None = None,
+    focal: Focal | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """Gradients of `sum_n g[n] * rows[n]` with respect to hidden, item_weight and bias.
 
@@ -193,6 +204,7 @@ def pallas_background_backward(
         hidden, item_weight, bias, class_weight, pos_weight, ids: as in `pallas_background_forward`.
         g: `[N]` upstream gradient of rows (cast to float32).
         block_sizes: tiles and VMEM limit; None derives them from the chip.
+        focal: as in `pallas_background_forward` (dz / g is focal's `term'`, signed and weighted).
 
     Returns:
         `d_hidden` `[N, D]` float32, `d_item_weight` `[V, D]` in item_weight's dtype (accumulated
@@ -204,7 +216,7 @@ def pallas_background_backward(
     """
     _check_g(g, hidden.shape[0])
     operands, static = _prepare(hidden, item_weight, bias, class_weight, pos_weight, ids,
-                                block_sizes)
+                                block_sizes, focal)
     acc = on_platform(functools.partial(d_hidden_call, **static), *operands)
     return (_times_g(g, acc, hidden.shape[0]),
             *_table_grads(operands, static, g, has_bias=bias is not None))
@@ -221,6 +233,7 @@ def pallas_background_value_and_grad(
     *,
     compute_counts: bool,
     block_sizes: BlockSizes | None = None,
+    focal: Focal | None = None,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None, jax.Array, jax.Array, jax.Array | None]:
     """`pallas_background_forward` and `pallas_background_backward` in two kernels instead of three.
 
@@ -231,7 +244,7 @@ def pallas_background_value_and_grad(
     (one per token tile) are saved.
 
     Args:
-        hidden, item_weight, bias, class_weight, pos_weight, ids, compute_counts: as in
+        hidden, item_weight, bias, class_weight, pos_weight, ids, compute_counts, focal: as in
             `pallas_background_forward`.
         g: `[N]` upstream gradient of rows (cast to float32).
         block_sizes: tiles and VMEM limit; None derives them from the chip.
@@ -247,7 +260,7 @@ def pallas_background_value_and_grad(
     n = hidden.shape[0]
     _check_g(g, n)
     operands, static = _prepare(hidden, item_weight, bias, class_weight, pos_weight, ids,
-                                block_sizes)
+                                block_sizes, focal)
     call = functools.partial(d_hidden_call, with_rows=True, compute_counts=compute_counts,
                              **static)
     acc, *row_outs = on_platform(call, *operands)

@@ -74,6 +74,11 @@ def _cost(static, itemsize, *, matmuls, transcendentals, table_passes, token_pas
     )
 
 
+def _focal_transcendentals(static):
+    """Per element, the exp of focal's modulating factor (`positives.focal_terms`): 1, or 0 plain."""
+    return 0 if static["focal"] is None else 1
+
+
 def _num_row_outputs(compute_counts, flags):
     """The `[N, 128]` lane-partial outputs: the loss, then predicted and (with ids) hits."""
     return 1 + compute_counts * (1 + flags[3])
@@ -85,12 +90,14 @@ def forward_call(*operands, interpret, compute_counts, **static):
     grid = (n_pad // bs.block_n, pl.cdiv(v, bs.block_v))
     n_out = _num_row_outputs(compute_counts, flags)
     kernel = functools.partial(forward_kernel, flags=flags, compute_counts=compute_counts,
+                               focal=static["focal"],
                                ragged_v=v % bs.block_v != 0, v_total=v, block_v=bs.block_v,
                                items_in_lanes=static["items_in_lanes"])
     return _pallas(
         kernel,
         bs=bs,
-        cost=_cost(static, operands[0].dtype.itemsize, matmuls=1, transcendentals=2,
+        cost=_cost(static, operands[0].dtype.itemsize, matmuls=1,
+                   transcendentals=2 + _focal_transcendentals(static),
                    table_passes=grid[0], token_passes=1, written=n_out * n_pad * LANES * 4),
         grid=grid,
         in_specs=_input_specs(flags, bs, d, static["num_slots"], static["items_in_lanes"],
@@ -109,7 +116,8 @@ def d_hidden_call(*operands, interpret, with_rows=False, compute_counts=False, *
     grid = (n_pad // bs.block_n, pl.cdiv(v, bs.block_v))
     n_rows = _num_row_outputs(compute_counts, flags) if with_rows else 0
     kernel = functools.partial(d_hidden_kernel, flags=flags, with_rows=with_rows,
-                               compute_counts=compute_counts, ragged_v=v % bs.block_v != 0,
+                               compute_counts=compute_counts, focal=static["focal"],
+                               ragged_v=v % bs.block_v != 0,
                                v_total=v, block_v=bs.block_v,
                                items_in_lanes=static["items_in_lanes"])
     out_specs = pl.BlockSpec((bs.block_n, d), lambda i, j: (i, 0))
@@ -120,9 +128,11 @@ def d_hidden_call(*operands, interpret, with_rows=False, compute_counts=False, *
     return _pallas(
         kernel,
         bs=bs,
-        # With the rows: softplus's log1p on top of the exp that sigmoid and softplus share.
+        # With the rows: softplus's log1p on top of the exp that sigmoid and softplus share (focal
+        # needs the log1p for its gradient too, and one more exp).
         cost=_cost(static, operands[0].dtype.itemsize, matmuls=2,
-                   transcendentals=1 + with_rows, table_passes=grid[0], token_passes=1,
+                   transcendentals=1 + max(with_rows, static["focal"] is not None)
+                   + _focal_transcendentals(static), table_passes=grid[0], token_passes=1,
                    written=n_pad * (d + n_rows * LANES) * 4),
         grid=grid,
         in_specs=_input_specs(flags, bs, d, static["num_slots"], static["items_in_lanes"],
@@ -155,11 +165,13 @@ def d_item_call(*operands, interpret, **static):
     accumulator = ([] if table_dtype == jnp.float32
                    else [pltpu.VMEM(out_specs[0].block_shape, jnp.float32)])
     return _pallas(
-        functools.partial(d_item_kernel, flags=flags, block_v=bv, items_in_lanes=items_in_lanes),
+        functools.partial(d_item_kernel, flags=flags, block_v=bv, items_in_lanes=items_in_lanes,
+                          focal=static["focal"]),
         bs=bs,
         scratch_shapes=accumulator,
         # The lane-replicated g is read with hidden, once per item tile.
-        cost=_cost(static, operands[0].dtype.itemsize, matmuls=2, transcendentals=1,
+        cost=_cost(static, operands[0].dtype.itemsize, matmuls=2,
+                   transcendentals=1 + 2 * _focal_transcendentals(static),
                    table_passes=1, token_passes=grid[0],
                    written=v * d * table_dtype.itemsize + grid[0] * n_pad * LANES * 4),
         grid=grid,

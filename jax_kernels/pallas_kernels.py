@@ -18,6 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jax_kernels.block_sizes import LANES
+from jax_kernels.positives import focal_terms
 
 _NT = (((1,), (1,)), ((), ()))  # [a, k] x [b, k] -> [a, b]: contract both minor dims.
 _NN = (((1,), (0,)), ((), ()))  # [a, k] x [k, b] -> [a, b]: the plain matmul.
@@ -124,12 +125,20 @@ def _for_each_strip(block_n, body):
     lax.fori_loop(jnp.int32(0), jnp.int32(block_n // _STRIP), step, 0)
 
 
-def _weights(y, cw_row, pw_row):
-    """`wgt = cw * (pw if y else 1)`: a `[bn, bv]` tile, a `[1, bv]` row, or None for all ones."""
-    if y is None or pw_row is None:
-        return cw_row
-    wgt = jnp.where(y, pw_row, jnp.float32(1.0))
-    return wgt if cw_row is None else wgt * cw_row
+def _weights(y, cw_row, pw_row, focal=None):
+    """`wgt = cw * (pw if y else 1)`: a `[bn, bv]` tile, a `[1, bv]` row, or None for all ones.
+
+    With a class-balanced `focal`, also times its positive_scale (alpha) at a positive and its
+    negative_scale (1 - alpha) elsewhere."""
+    wgt = cw_row
+    if y is not None and pw_row is not None:
+        wgt = jnp.where(y, pw_row, jnp.float32(1.0))
+        wgt = wgt if cw_row is None else wgt * cw_row
+    if focal is None or not focal.apply_class_balancing:
+        return wgt
+    negative = jnp.float32(focal.negative_scale)
+    scale = negative if y is None else jnp.where(y, jnp.float32(focal.positive_scale), negative)
+    return scale if wgt is None else wgt * scale
 
 
 def _signed(z, y):
@@ -142,20 +151,30 @@ def _signed(z, y):
     return (z if y is None else jnp.where(y, -z, z)), e
 
 
-def _element_loss(zs, e, wgt):
-    """`wgt * softplus(zs)`, softplus(zs) = max(zs, 0) + log1p(e), e = exp(-|zs|) (docs/design.md ('The math')); `(zs, e)` from `_signed`."""
-    loss = jnp.maximum(zs, 0.0) + jnp.log1p(e)
+def _focal_terms(zs, e, focal):
+    """`(term(zs), term'(zs))` of the focal loss (jax_kernels/focal.py; zs is its u, the logit seen
+    from the element's label), or None for plain CutBCE: computed once per strip, shared by
+    `_element_loss` and `_dz_over_g`."""
+    return None if focal is None else focal_terms(zs, e, jnp.log1p(e), focal.gamma)
+
+
+def _element_loss(zs, e, wgt, terms=None):
+    """`wgt * softplus(zs)`, softplus(zs) = max(zs, 0) + log1p(e), e = exp(-|zs|) (docs/design.md ('The math')); `(zs, e)` from `_signed`.
+
+    With focal `terms` (`_focal_terms`): `wgt * term(zs)`."""
+    loss = jnp.maximum(zs, 0.0) + jnp.log1p(e) if terms is None else terms[0]
     return loss if wgt is None else loss * wgt
 
 
-def _dz_over_g(zs, e, y, wgt):
+def _dz_over_g(zs, e, y, wgt, terms=None):
     """`dz / g = wgt * (-sigmoid(zs) if y else sigmoid(zs))`; `(zs, e)` from `_signed`.
 
     d softplus(zs) / dz = sigmoid(zs) * dzs/dz, and dzs/dz is -1 at a positive: this is
     `cw * pw * (sigmoid(z) - 1)` at a positive and `cw * sigmoid(z)` elsewhere, as BCE gives.
+    With focal `terms`, `term'(zs)` takes sigmoid(zs)'s place (the same sign rule).
     """
     one = jnp.float32(1.0)
-    s = jnp.where(zs >= 0, one, e) / (one + e)
+    s = jnp.where(zs >= 0, one, e) / (one + e) if terms is None else terms[1]
     if y is not None:
         s = jnp.where(y, -s, s)
     return s if wgt is None else s * wgt
@@ -185,10 +204,10 @@ def _split_refs(refs, has_bias, has_cw, has_pw, has_ids):
     return (h_ref, w_ref, *optional), refs, z_ref
 
 
-def _add_rows(row_refs, rows, z, y, zs, e, wgt, compute_counts):
+def _add_rows(row_refs, rows, z, y, zs, e, wgt, compute_counts, terms):
     """Add one strip's lane-partial sums to the `[bn, 128]` output blocks `row_refs`: the loss,
     then with compute_counts the predicted count and (when there are ids) the hits count."""
-    row_refs[0][rows, :] += _lane_partial_sum(_element_loss(zs, e, wgt))
+    row_refs[0][rows, :] += _lane_partial_sum(_element_loss(zs, e, wgt, terms))
     if compute_counts:
         positive = z > 0.0
         row_refs[1][rows, :] += _lane_partial_sum(positive.astype(jnp.float32))
@@ -196,7 +215,7 @@ def _add_rows(row_refs, rows, z, y, zs, e, wgt, compute_counts):
             row_refs[2][rows, :] += _lane_partial_sum((y & positive).astype(jnp.float32))
 
 
-def forward_kernel(*refs, flags, compute_counts, **item_tile_options):
+def forward_kernel(*refs, flags, compute_counts, focal, **item_tile_options):
     """Grid (i: token tile, j: item tile). Out blocks `[bn, 128]` stay resident across j: the loss,
     then with compute_counts the predicted count and (when there are ids) the hits count."""
     (h_ref, w_ref, b_ref, c_ref, p_ref, ids_ref), out_refs, z_ref = _split_refs(refs, *flags)
@@ -215,12 +234,13 @@ def forward_kernel(*refs, flags, compute_counts, **item_tile_options):
         z = z_ref[rows, :]
         y = _targets(None if ids_ref is None else ids_ref[rows, :], columns)
         zs, e = _signed(z, y)
-        _add_rows(out_refs, rows, z, y, zs, e, _weights(y, cw_row, pw_row), compute_counts)
+        _add_rows(out_refs, rows, z, y, zs, e, _weights(y, cw_row, pw_row, focal), compute_counts,
+                  _focal_terms(zs, e, focal))
 
     _for_each_strip(z_ref.shape[0], strip)
 
 
-def d_hidden_kernel(*refs, flags, with_rows, compute_counts, **item_tile_options):
+def d_hidden_kernel(*refs, flags, with_rows, compute_counts, focal, **item_tile_options):
     """Grid (i: token tile, j: item tile). Accumulates `(dz / g) @ W` into `[bn, D]` f32; the
     launcher multiplies by g (constant along j).
 
@@ -247,11 +267,12 @@ def d_hidden_kernel(*refs, flags, with_rows, compute_counts, **item_tile_options
     def strip(rows):  # z_ref[rows] <- dz / g, in place (after the rows read the logits)
         z = z_ref[rows, :]
         y = _targets(None if ids_ref is None else ids_ref[rows, :], columns)
-        wgt = _weights(y, cw_row, pw_row)
+        wgt = _weights(y, cw_row, pw_row, focal)
         zs, e = _signed(z, y)
+        terms = _focal_terms(zs, e, focal)
         if with_rows:
-            _add_rows(row_refs, rows, z, y, zs, e, wgt, compute_counts)
-        z_ref[rows, :] = _dz_over_g(zs, e, y, wgt)
+            _add_rows(row_refs, rows, z, y, zs, e, wgt, compute_counts, terms)
+        z_ref[rows, :] = _dz_over_g(zs, e, y, wgt, terms)
 
     _for_each_strip(z_ref.shape[0], strip)
     # [bn, bv] x (w [D, bv] or [bv, D]) -> [bn, D]: contract the items.
@@ -264,7 +285,7 @@ def d_hidden_kernel(*refs, flags, with_rows, compute_counts, **item_tile_options
     )
 
 
-def d_item_kernel(*refs, flags, block_v, items_in_lanes):
+def d_item_kernel(*refs, flags, block_v, items_in_lanes, focal):
     """Grid (j: item tile, i: token tile). Accumulates the item tile's gradient in float32,
     resident across i: `hidden^T @ dz` `[D, bv]` when `items_in_lanes`, else `dz^T @ hidden`
     `[bv, D]`; and `sum_n dz` `[1, bv]`.
@@ -298,7 +319,8 @@ def d_item_kernel(*refs, flags, block_v, items_in_lanes):
         # repeating it along lanes gives the `[rows, bv]` row broadcast.
         g = pltpu.repeat(g_ref[rows, :], block_v // LANES, axis=1)
         zs, e = _signed(z_ref[rows, :], y)
-        z_ref[rows, :] = _dz_over_g(zs, e, y, _weights(y, cw_row, pw_row)) * g
+        z_ref[rows, :] = _dz_over_g(zs, e, y, _weights(y, cw_row, pw_row, focal),
+                                    _focal_terms(zs, e, focal)) * g
 
     _for_each_strip(z_ref.shape[0], strip)
     dz = z_ref[...]

@@ -63,3 +63,51 @@ def log1p_unit(e):
     s = t * t
     p = 0.33333160203203005 + s * (0.20012325666897016 + s * (0.13982172352698377 + s * 0.1408072687843689))
     return 2 * t * (1.0000000038619887 + s * p)
+
+
+def focal_terms(u, e, tail, gamma: float):
+    """`(term(u), d term / du)` of focal CutBCE (jax_kernels/focal.py), from `e = exp(-|u|)` and
+    `tail = log1p(e)`; u is the logit seen from the element's label (`-z` at a positive).
+
+        term(u) = sigmoid(u)^gamma * softplus(u),   d term / du = sigmoid(u)^gamma * (gamma *
+        sigmoid(-u) * softplus(u) + sigmoid(u))
+
+    Every factor is nonnegative and formed without cancellation. The modulating factor
+    `sigmoid(u)^gamma = exp(-gamma * softplus(-u))` is split so that no large exp argument is
+    rounded: with gamma = k + f (k an integer, f in [0, 1)) and `softplus(-u) = max(-u, 0) + tail`,
+
+        sigmoid(u)^gamma = exp(-gamma * tail - f * max(-u, 0)) * (e if u < 0 else 1)^k
+
+    `exp(-gamma * softplus(-u))` taken at once carries the rounding of `gamma * |u|` into the
+    result; here e^k is k roundings and `f * |u|` has f < 1. Measured in float32 against float64
+    over u in [-80, 80] (terms above 1e-30): 4.9e-7 relative at gamma 3 (at once: 3.4e-6), 1.3e-6
+    at gamma 2.7 (3.8e-6), the derivative alike. gamma is a static Python float
+    (`gamma = 0` never comes here: the plain code runs for it, see core.CutBCEConfig); the same
+    code runs in the blocked loop (float32/float64) and inside the Pallas kernels (float32).
+    """
+    negative = u < 0
+    inverse = 1 / (1 + e)
+    sigmoid = jnp.where(negative, e, 1) * inverse  # sigmoid(u)
+    sigmoid_flip = jnp.where(negative, 1, e) * inverse  # sigmoid(-u)
+    softplus = jnp.maximum(u, 0) + tail
+    k = int(gamma)
+    frac = gamma - k
+    exponent = -gamma * tail
+    if frac:
+        exponent = exponent - frac * jnp.maximum(-u, 0)
+    modulating = jnp.exp(exponent)
+    if k:
+        modulating = modulating * _integer_power(jnp.where(negative, e, 1), k)
+    return modulating * softplus, modulating * (gamma * sigmoid_flip * softplus + sigmoid)
+
+
+def _integer_power(x, k: int):
+    """`x ** k` for a static int k >= 1 by squaring (plain multiplies: Mosaic lowers them all)."""
+    result = None
+    while k:
+        if k & 1:
+            result = x if result is None else result * x
+        k >>= 1
+        if k:
+            x = x * x
+    return result

@@ -12,6 +12,16 @@ which is `BCEWithLogitsLoss(weight=w, pos_weight=pos_weight, reduction='none')` 
 logits, summed over items. Reductions: 'none' -> row (shape S), 'sum' -> sum_n row[n],
 'mean' -> sum_n row[n] / (N * V) (the mean over every element, as BCEWithLogitsLoss computes it).
 
+Focal CutBCE (`focal=Focal(gamma, alpha, apply_class_balancing)`, jax_kernels/focal.py; Keras'
+`BinaryFocalCrossentropy`): each element's BCE term is scaled by `(1 - p_t)^gamma`, p_t the
+probability given to the element's own label. In logit space, with `u = -z` at a positive and
+`u = z` elsewhere (so the plain term is softplus(u)):
+
+    l[n, v] = w[n, v] * s[n, v] * sigmoid(u)^gamma * softplus(u),   sigmoid(u)^gamma = exp(-gamma softplus(-u))
+    s[n, v] = pos_weight[v] * (alpha if balancing else 1) if y else (1 - alpha if balancing else 1)
+
+gamma = 0 without balancing is the plain loss above.
+
 Metrics: predicted positive iff z > 0; per position TP, FP, FN, TN counts times weight[n],
 summed over positions unless reduction is 'none'.
 
@@ -24,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_kernels.arguments import prepare
+from jax_kernels.focal import check_focal
 from jax_kernels.shapes import reduction_divisor
 
 
@@ -47,6 +58,7 @@ def dense_cut_bce(
     reduction: str = "mean",
     return_metrics: bool = False,
     compute_dtype=None,
+    focal=None,
 ):
     """The materializing reference of the module docstring's formula.
 
@@ -62,11 +74,14 @@ def dense_cut_bce(
       return_metrics: also return `(tp, fp, fn, tn)`.
       compute_dtype: dtype of the logits and the loss (default: float32, or float64 for float64
         inputs). bfloat16 here reproduces "the dense reference run in the same dtype".
+      focal: a `jax_kernels.Focal`: the focal loss of the module docstring, from its definition on
+        the materialized logits; None: plain BCE.
 
     Returns:
       The loss (shape S for 'none', else a scalar), and with `return_metrics` a tuple of counts.
       Gradients come back in each input's dtype.
     """
+    focal = check_focal(focal)
     size, a = prepare(hidden, item_weight, targets, bias, weight, class_weight, pos_weight,
                       reduction=reduction, block_v=None)
     hidden, item_weight, targets, bias = a["hidden"], a["item_weight"], a["targets"], a["bias"]
@@ -86,7 +101,10 @@ def dense_cut_bce(
     if class_weight is not None:
         w = w * class_weight.astype(compute_dtype)
     pw = 1.0 if pos_weight is None else pos_weight.astype(compute_dtype)
-    elementwise = w * (pw * y * jax.nn.softplus(-z) + (1 - y) * jax.nn.softplus(z))
+    if focal is None:
+        elementwise = w * (pw * y * jax.nn.softplus(-z) + (1 - y) * jax.nn.softplus(z))
+    else:
+        elementwise = w * _focal_elements(z, y, pw, focal)
     rows = elementwise.sum(-1)
     loss = reduce_rows(rows, reduction, num_items).reshape(lead_shape if reduction == "none" else ())
     if not return_metrics:
@@ -106,6 +124,18 @@ def dense_cut_bce(
     else:
         counts = [c.sum() for c in counts]
     return loss, tuple(counts)
+
+
+def _focal_elements(z, y, pw, focal):
+    """`s * sigmoid(u)^gamma * softplus(u)` of the module docstring, u = -z at positives, z elsewhere.
+
+    The definition in its stable logit-space form: softplus never overflows (jax.nn.softplus is
+    log(1 + exp) without cancellation for either sign), and `exp(-gamma softplus(-u))` is
+    sigmoid(u)^gamma without a power of a rounded probability (no 0^gamma, no log(0))."""
+    u = jnp.where(y > 0, -z, z)
+    balanced = focal.apply_class_balancing
+    scale = jnp.where(y > 0, pw * (focal.alpha if balanced else 1.0), (1 - focal.alpha) if balanced else 1.0)
+    return scale * jnp.exp(-focal.gamma * jax.nn.softplus(-u)) * jax.nn.softplus(u)
 
 
 def reduce_rows(rows, reduction, num_items):

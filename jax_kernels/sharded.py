@@ -27,9 +27,9 @@ in one shard_map; the backward rule only scales the saved gradients.
 
 Uneven sizes are padded here and the padding is made inert: items up to a multiple of the vocab
 shard count (zero rows, zero bias and class weight 0: a padded item has z = 0 and would otherwise add
-softplus(0) = log 2 to every row and a TN to the counts, so its class weight is 0 and the TN count is
-corrected), positions up to a multiple of the data shard count (their rows are sliced off, so their
-upstream gradient is 0 and they add nothing to any gradient). 'mean' divides by the global N x V.
+softplus(0) = log 2 (focal: 0.5^gamma log 2) to every row and a TN to the counts, so its class
+weight is 0 and the TN count is corrected), positions up to a multiple of the data shard count
+(their rows are sliced off, so their upstream gradient is 0 and they add nothing to any gradient). 'mean' divides by the global N x V.
 For the best step time choose V divisible by the vocab shard count (pad the table at model set-up):
 then no copy of the table is made.
 
@@ -62,6 +62,7 @@ from jax_kernels.core import (
     weighted_sum_and_residuals,
     weighted_sum_cotangents,
 )
+from jax_kernels.focal import check_focal
 from jax_kernels.reference import reduce_rows
 from jax_kernels.shapes import default_block_v
 
@@ -388,6 +389,7 @@ def cut_bce_sharded(
     impl: str = "auto",
     block_sizes=None,
     num_items: int | None = None,
+    focal=None,
 ):
     """`jax_kernels.cut_bce` with the item table split along V and the positions split over a mesh.
 
@@ -397,7 +399,7 @@ def cut_bce_sharded(
 
     Args:
       hidden, item_weight, targets, bias, weight, class_weight, pos_weight, reduction,
-        return_metrics, impl, block_sizes: as in `jax_kernels.cut_bce`.
+        return_metrics, impl, block_sizes, focal: as in `jax_kernels.cut_bce`.
       mesh: the `jax.sharding.Mesh`. None: inferred (`infer_mesh`) from a concrete input's
         `NamedSharding`, from a traced input's abstract mesh, or from `jax.set_mesh`. Axis names are
         never inferred (under `jit` JAX does not report the spec): they come from the two below.
@@ -418,6 +420,7 @@ def cut_bce_sharded(
       The loss, or `(loss, (tp, fp, fn, tn))`, as `jax_kernels.cut_bce`. Gradients of item_weight and
       bias keep the table's sharding along V.
     """
+    focal = check_focal(focal)
     size, a = prepare(hidden, item_weight, targets, bias, weight, class_weight, pos_weight,
                       reduction=reduction, block_v=block_v, num_items=num_items)
     hidden, item_weight, targets, bias = a["hidden"], a["item_weight"], a["targets"], a["bias"]
@@ -439,6 +442,7 @@ def cut_bce_sharded(
         compute_metrics=return_metrics,
         impl=resolve_impl(impl, hidden.dtype),
         block_sizes=block_sizes,
+        focal=focal,
     )
     layout = ShardedLayout(mesh, vocab_axis, data_axis, config, None if catalog == size.num_items else catalog)
     operands = (

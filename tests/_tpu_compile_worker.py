@@ -36,6 +36,16 @@ TEMP_CASES = {
 }
 
 
+# Focal CutBCE (issue 15), on every chip: gamma 2 in float32 and a fractional, class-balanced gamma
+# in bfloat16 (the modulating factor's extra exp, the alpha weights), compiled as the cases above
+# under the names "focal_" + program. focal = (gamma, alpha, apply_class_balancing).
+FOCAL_CASES = (
+    dict(n=37, v=1001, d=72, num_slots=3, dtype="float32", options=("bias", "counts"), focal=(2.0, 0.25, False)),
+    dict(n=130, v=700, d=128, num_slots=9, dtype="bfloat16", options=("class_weight", "pos_weight"),
+         focal=(0.5, 0.25, True)),
+)
+
+
 def cases(chips=CHIPS):
     """(chip, case) pairs: on every chip, every subset of OPTIONS with L = 0 and with L > 0 (32
     cases), the dtype alternating with the parity of the options on, so that each chip compiles
@@ -62,14 +72,20 @@ def _structs(case):
                 ids=((n, case["num_slots"]), jnp.int32), g=((n,), jnp.float32))
 
 
-def _loss_and_grads(hidden, item_weight, targets, bias, class_weight, pos_weight, *, counts):
+def _focal(case):
+    from jax_kernels.focal import Focal
+
+    return Focal(*case["focal"]) if case.get("focal") else None
+
+
+def _loss_and_grads(hidden, item_weight, targets, bias, class_weight, pos_weight, *, counts, focal=None):
     import jax
 
     import jax_kernels
 
     def loss(h, w, b):
         out = jax_kernels.cut_bce(h, w, targets, b, class_weight=class_weight, pos_weight=pos_weight,
-                                  return_metrics=counts, impl="pallas")
+                                  return_metrics=counts, impl="pallas", focal=focal)
         return (out[0], out[1]) if counts else (out, ())
 
     return jax.value_and_grad(loss, argnums=(0, 1, 2) if bias is not None else (0, 1),
@@ -87,17 +103,20 @@ def compile_case(chip, case):
 
     s = _structs(case)
     counts = "counts" in case["options"]
+    focal = _focal(case)
+    prefix = "focal_" if focal else ""
     common = (s["hidden"], s["item_weight"], s["bias"], s["class_weight"], s["pos_weight"], s["ids"])
     jobs = {
-        "forward": (functools.partial(pallas_background_forward, compute_counts=counts), common),
-        "backward": (pallas_background_backward, common + (s["g"],)),
-        "value_and_grad": (functools.partial(pallas_background_value_and_grad, compute_counts=counts),
+        "forward": (functools.partial(pallas_background_forward, compute_counts=counts, focal=focal), common),
+        "backward": (functools.partial(pallas_background_backward, focal=focal), common + (s["g"],)),
+        "value_and_grad": (functools.partial(pallas_background_value_and_grad, compute_counts=counts,
+                                             focal=focal),
                            common + (s["g"],)),
-        "cut_bce_value_and_grad": (functools.partial(_loss_and_grads, counts=counts),
+        "cut_bce_value_and_grad": (functools.partial(_loss_and_grads, counts=counts, focal=focal),
                                    (s["hidden"], s["item_weight"], s["ids"], s["bias"],
                                     s["class_weight"], s["pos_weight"])),
     }
-    return [dict(case, what=what, **dataclasses.asdict(tpu_compile.compile_for(chip, fn, *args)))
+    return [dict(case, what=prefix + what, **dataclasses.asdict(tpu_compile.compile_for(chip, fn, *args)))
             for what, (fn, args) in jobs.items()]
 
 
@@ -107,7 +126,8 @@ def main(out_path, chips):
 
     tpu_compile.pin_mosaic_version()
     records = []
-    for chip, case in cases(chips):
+    focal_cases = [(chip, case) for chip in chips for case in FOCAL_CASES]
+    for chip, case in cases(chips) + focal_cases:
         records += compile_case(chip, case)
         print(chip, case, [(r["what"], round(r["seconds"], 1), r["error"] and r["error"][:200])
                            for r in records[-4:]], flush=True)

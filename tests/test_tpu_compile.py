@@ -7,7 +7,8 @@ runs: for each chip, every subset of {bias, class_weight, pos_weight, counts} wi
 float32 and bfloat16 alternating, at odd small shapes (32 cases per chip), four programs each: the
 raw `pallas_background_forward`, `pallas_background_backward` and `pallas_background_value_and_grad`
 (the one-pass kernels of 'mean'/'sum'), and `jax.value_and_grad` of `jax_kernels.cut_bce(impl='pallas')`
-(516 compiles in all with the four HBM temp cases). Measured: 2-3 min for this file under pytest on
+(516 compiles in all with the four HBM temp cases), and the focal variants: two cases per chip
+(`worker.FOCAL_CASES`), the same four programs (32 compiles more). Measured: 2-3 min for this file under pytest on
 this shared 2-core host with three programs (1 min 59 s and 2 min 52 s in two runs; about 0.3 s a
 compile, 1.3 s at most); with the fourth, 4 min 4 s in one run (the other core busy with tests).
 """
@@ -59,6 +60,16 @@ def test_every_variant_compiles(records, chip):
     # Coverage: each option on and off, with each dtype and with L = 0 and L > 0, on this chip.
     seen = {(o, o in r["options"], r["dtype"], r["num_slots"] > 0) for r in mine for o in worker.OPTIONS}
     assert len(seen) == len(worker.OPTIONS) * 2 * 2 * 2, seen
+
+
+@pytest.mark.parametrize("chip", worker.CHIPS)
+def test_focal_variants_compile(records, chip):
+    """Focal CutBCE (issue 15): the four programs of each `worker.FOCAL_CASES` entry (gamma 2 in
+    float32; gamma 0.5 class-balanced in bfloat16) compile for this chip."""
+    mine = [r for r in records if r["chip"] == chip and r["what"].startswith("focal_")]
+    assert len(mine) == len(PROGRAMS) * len(worker.FOCAL_CASES), [r["what"] for r in mine]
+    failed = [(r["what"], r["dtype"], r["focal"], r["error"][:500]) for r in mine if r["error"] is not None]
+    assert not failed, failed
 
 
 @pytest.mark.parametrize("what", sorted(worker.TEMP_CASES))

@@ -109,6 +109,8 @@ def _(hidden, item_weight, bias, class_weight, pos_weight, ids, logits, g, block
 
 
 def _rows_setup(ctx, inputs, output):
+    ctx.mark_non_differentiable(*output[1:])  # counts, the positives' logits and ids
+    ctx.set_materialize_grads(False)
     hidden, item_weight, bias, class_weight, pos_weight, _, block_v, _, _, _, *focal = inputs
     ctx.save_for_backward(hidden, item_weight, bias, class_weight, pos_weight, output[3], output[2])
     ctx.block_v, ctx.focal = block_v, focal
@@ -167,6 +169,10 @@ def _(hidden, item_weight, bias, weight, class_weight, pos_weight, targets, divi
 
 
 def _loss_setup(ctx, inputs, output):
+    # Only the loss is differentiable: otherwise autograd would materialize a zero gradient for
+    # every other output, a table-sized one for d_item_weight among them.
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(*output[2:])
     ctx.dtypes = [None if x is None else x.dtype for x in inputs[:4]]  # hidden, item_weight, bias, weight
     ctx.divisor, ctx.used = inputs[7], False
