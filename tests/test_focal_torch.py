@@ -164,3 +164,17 @@ def test_matches_torchvision_sigmoid_focal_loss(gamma, alpha):
     ours = cut_bce_with_logits(inputs["hidden"], inputs["item_weight"], inputs["targets"], inputs["bias"],
                                reduction="sum", focal=focal, block_v=BLOCK_V)
     torch.testing.assert_close(ours, theirs, rtol=1e-9, atol=0)
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize("backend,reduction", [("xla_blocked", "none"), ("xla_blocked", "mean"), ("xla_pallas", "mean")])
+def test_the_bridge_computes_focal_too(backend, reduction):
+    """XLA tensors: the torch_xla bridge hands the focal option to the JAX engines (two- and one-pass)."""
+    torch_xla = pytest.importorskip("torch_xla", reason="needs torch_xla: pip install 'torch-cutbce[xla]'")
+    focal = Focal(gamma=2.0, alpha=0.25, apply_class_balancing=True)
+    inputs = _inputs(torch.float32, seed=9)
+    device = torch_xla.device()
+    on_xla = {k: v.to(device) for k, v in inputs.items()}
+    bridge = _run(cut_bce_with_logits, on_xla, reduction, focal, backend=backend, block_v=BLOCK_V)
+    truth = _run(dense_bce_with_logits, _inputs(seed=9), reduction, focal)
+    assert_close({k: v.cpu() for k, v in bridge.items()}, truth, dtype="float32", name=f"bridge {backend}")

@@ -168,22 +168,19 @@ def cut_bce_with_logits(
     else:
         from torch_cutbce import xla_bridge  # the one module that imports torch_xla and jax
 
-        if focal is not None:
-            raise NotImplementedError("focal= on XLA tensors (the torch_xla bridge) is not wired yet; "
-                                      "use CPU/CUDA tensors (backend='native') or jax_kernels.cut_bce")
 
         block_v = tile_width(size.block_v, n, size.num_items)
         if reduction != "none" and n > 0 and xla_bridge.one_pass(mesh):
             return _xla_one_pass(flat, weight, reduction=reduction, n=n, num_items=size.num_items,
-                                 block_v=block_v, return_metrics=return_metrics, backend=backend)
+                                 block_v=block_v, return_metrics=return_metrics, backend=backend, focal=focal)
         rows, counts = xla_bridge.cut_bce_rows(
             *flat, block_v=block_v, compute_metrics=return_metrics, backend=backend,
-            mesh=mesh, vocab_axis=vocab_axis, data_axis=data_axis,
+            mesh=mesh, vocab_axis=vocab_axis, data_axis=data_axis, focal=focal,
         )
     return reduce_rows(rows, counts, weight, reduction, size.lead_shape, size.num_items, return_metrics)
 
 
-def _xla_one_pass(flat, weight, *, reduction, n, num_items, block_v, return_metrics, backend):
+def _xla_one_pass(flat, weight, *, reduction, n, num_items, block_v, return_metrics, backend, focal):
     """'sum' / 'mean' through the bridge with the gradients computed in the forward (one pass)."""
     from torch_cutbce import xla_bridge
 
@@ -192,7 +189,7 @@ def _xla_one_pass(flat, weight, *, reduction, n, num_items, block_v, return_metr
     w = torch.ones(n, dtype=acc, device=hidden.device) if weight is None else weight.reshape(n).to(acc)
     row_weight = w / reduction_divisor(reduction, n, num_items)
     loss, counts = xla_bridge.cut_bce_weighted_sum(*flat, row_weight, block_v=block_v,
-                                                   compute_metrics=return_metrics, backend=backend)
+                                                   compute_metrics=return_metrics, backend=backend, focal=focal)
     if not return_metrics:
         return loss
     if weight is not None:

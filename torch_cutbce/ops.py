@@ -16,20 +16,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from jax_kernels.focal import Focal
+from jax_kernels.focal import from_args as _focal, to_args as _focal_args  # custom ops take plain values
 from torch_cutbce import native, positives
-
-# A focal option crosses the op boundary as three plain values (custom ops take no objects):
-# (gamma, alpha, apply_class_balancing); gamma < 0 stands for "no focal" (plain BCE).
-_PLAIN = (-1.0, 0.0, False)
-
-
-def _focal_args(focal: Focal | None) -> tuple[float, float, bool]:
-    return _PLAIN if focal is None else (focal.gamma, focal.alpha, focal.apply_class_balancing)
-
-
-def _focal(gamma: float, alpha: float, balancing: bool) -> Focal | None:
-    return None if gamma < 0 else Focal(gamma, alpha, balancing)
 
 
 def check_ids_below(targets: Tensor, limit: int) -> None:

@@ -38,6 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jax_kernels.core as jax_core  # noqa: E402
+from jax_kernels.focal import from_args as focal_from_args, to_args as focal_args  # noqa: E402
 from torch_cutbce.positives import accumulation_dtype  # noqa: E402
 import jax_kernels.sharded as jax_sharded  # noqa: E402
 
@@ -108,9 +109,10 @@ def _join(axis) -> str:
     return "" if axis is None else (axis if isinstance(axis, str) else ",".join(axis))
 
 
-def _static(block_v, compute_metrics, impl, mesh_shape, mesh_axes, vocab_axis, data_axis):
+def _static(block_v, compute_metrics, impl, mesh_shape, mesh_axes, vocab_axis, data_axis, focal_args):
     """The call_jax keyword arguments: the config, and the sharded layout when a mesh is given."""
-    config = jax_core.CutBCEConfig(block_v=block_v, compute_metrics=compute_metrics, impl=impl)
+    config = jax_core.CutBCEConfig(block_v=block_v, compute_metrics=compute_metrics, impl=impl,
+                                   focal=focal_from_args(*focal_args))
     if not mesh_shape:
         return {"config": config, "layout": None}
     layout = jax_sharded.abstract_layout(
@@ -140,9 +142,13 @@ def xla_rows(
     mesh_axes: str,
     vocab_axis: str,
     data_axis: str,
+    gamma: float,
+    alpha: float,
+    balancing: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows `[N]` and counts `[4 or 0, N]` of `jax_kernels.cut_bce_forward`, computed through call_jax."""
-    static = _static(block_v, compute_metrics, impl, mesh_shape, mesh_axes, vocab_axis, data_axis)
+    static = _static(block_v, compute_metrics, impl, mesh_shape, mesh_axes, vocab_axis, data_axis,
+                     (gamma, alpha, balancing))
     rows, counts = xb.call_jax(_jax_forward, (hidden, item_weight, targets, bias, class_weight, pos_weight), static)
     return rows, counts
 
@@ -169,9 +175,13 @@ def xla_rows_backward(
     mesh_axes: str,
     vocab_axis: str,
     data_axis: str,
+    gamma: float,
+    alpha: float,
+    balancing: bool,
 ) -> list[torch.Tensor]:
     """`[d_hidden, d_item_weight]` (+ `d_bias` when bias is given) from `jax_kernels.cut_bce_backward`."""
-    static = _static(block_v, False, impl, mesh_shape, mesh_axes, vocab_axis, data_axis)
+    static = _static(block_v, False, impl, mesh_shape, mesh_axes, vocab_axis, data_axis,
+                     (gamma, alpha, balancing))
     d_hidden, d_item_weight, d_bias = xb.call_jax(
         _jax_backward, (hidden, item_weight, targets, bias, class_weight, pos_weight, g), static
     )
@@ -195,7 +205,7 @@ def _backward(ctx, g_rows, _g_counts):
     hidden, item_weight, targets, bias, class_weight, pos_weight = ctx.saved_tensors
     grads = xla_rows_backward(hidden, item_weight, targets, bias, class_weight, pos_weight, g_rows, *ctx.static)
     d_bias = grads[2] if bias is not None else None
-    return (grads[0], grads[1], None, d_bias) + (None,) * 9
+    return (grads[0], grads[1], None, d_bias) + (None,) * 12
 
 
 xla_rows.register_autograd(_backward, setup_context=_setup_context)
@@ -213,15 +223,20 @@ def xla_weighted_sum(
     block_v: int,
     compute_metrics: bool,
     impl: str,
+    gamma: float,
+    alpha: float,
+    balancing: bool,
 ) -> list[torch.Tensor]:
     """`[loss, counts, rows, d_hidden, d_item_weight, d_bias or an empty placeholder]` of `_jax_weighted_sum`."""
-    config = jax_core.CutBCEConfig(block_v=block_v, compute_metrics=compute_metrics, impl=impl)
+    config = jax_core.CutBCEConfig(block_v=block_v, compute_metrics=compute_metrics, impl=impl,
+                                   focal=focal_from_args(gamma, alpha, balancing))
     args = (hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight)
     return list(xb.call_jax(_jax_weighted_sum, args, {"config": config}))
 
 
 @xla_weighted_sum.register_fake
-def _(hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight, block_v, compute_metrics, impl):
+def _(hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight, block_v, compute_metrics, impl,
+      gamma, alpha, balancing):
     n, acc = hidden.shape[0], _rows_dtype(hidden)
     # The Pallas table gradient comes in the table's dtype (no table-sized float32 buffer on TPU).
     items_dtype = item_weight.dtype if impl == "pallas" else acc
@@ -251,7 +266,7 @@ def _weighted_sum_backward(ctx, output_grads):
                          for d, dtype, n in zip((d_hidden, d_items), ctx.dtypes[:2], need[:2]))
     d_bias = scaled(d_bias, ctx.dtypes[2]) if need[3] else None
     d_row_weight = (rows * g_loss.to(rows.dtype)) if need[6] else None
-    return d_hidden, d_items, None, d_bias, None, None, d_row_weight, None, None, None
+    return d_hidden, d_items, None, d_bias, None, None, d_row_weight, None, None, None, None, None, None
 
 
 xla_weighted_sum.register_autograd(_weighted_sum_backward, setup_context=_weighted_sum_setup)
@@ -281,7 +296,7 @@ def one_pass(mesh) -> bool:
 
 
 def cut_bce_weighted_sum(hidden, item_weight, bias, class_weight, pos_weight, targets, row_weight, *,
-                         block_v, compute_metrics, backend):
+                         block_v, compute_metrics, backend, focal=None):
     """`(sum_n row_weight[n] rows[n], counts [4 or 0, N])`, gradients computed in the forward.
 
     `row_weight` `[N]` is the position weight over the reduction's divisor; it gets the rows as
@@ -291,13 +306,13 @@ def cut_bce_weighted_sum(hidden, item_weight, bias, class_weight, pos_weight, ta
     _check_x64(hidden)
     targets = _xla_targets(targets, item_weight.shape[0])
     out = xla_weighted_sum(hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight, block_v,
-                           compute_metrics, impl)
+                           compute_metrics, impl, *focal_args(focal))
     return out[0], out[1]
 
 
 def cut_bce_rows(
     hidden, item_weight, bias, class_weight, pos_weight, targets, *,
-    block_v, compute_metrics, backend, mesh=None, vocab_axis="model", data_axis="data",
+    block_v, compute_metrics, backend, mesh=None, vocab_axis="model", data_axis="data", focal=None,
 ):
     """Entry point for `cut_bce_with_logits` (same argument order as the native Function).
 
@@ -315,5 +330,6 @@ def cut_bce_rows(
         mesh_args = (list(mesh.mesh_shape), ",".join(mesh.axis_names), _join(vocab_axis), _join(data_axis))
     targets = _xla_targets(targets, item_weight.shape[0])
     return xla_rows(
-        hidden, item_weight, targets, bias, class_weight, pos_weight, block_v, compute_metrics, impl, *mesh_args
+        hidden, item_weight, targets, bias, class_weight, pos_weight, block_v, compute_metrics, impl, *mesh_args,
+        *focal_args(focal),
     )
