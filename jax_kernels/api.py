@@ -8,32 +8,13 @@ import jax.numpy as jnp
 from jax_kernels.arguments import prepare
 from jax_kernels.core import CutBCEConfig, cut_bce_rows, cut_bce_weighted_sum
 from jax_kernels.focal import check_focal
-from jax_kernels.positives import accumulation_dtype
-from jax_kernels.reference import reduce_rows
-from jax_kernels.shapes import default_block_v, reduction_divisor
-
-IMPL_CHOICES = ("auto", "blocked", "pallas")
-
+from jax_kernels.reduction import reduce_rows, scalar_row_weight
+from jax_kernels.shapes import choose_impl, default_block_v
+from jax_kernels.sharded import cut_bce_sharded
 
 def resolve_impl(impl: str, dtype) -> str:
-    """'auto' -> Pallas on a TPU backend, the blocked pure-JAX loop elsewhere (and for float64/float16)."""
-    if impl not in IMPL_CHOICES:
-        raise ValueError(f"impl must be one of {IMPL_CHOICES}, got {impl!r}")
-    kernel_dtype = jnp.dtype(dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-    if impl == "pallas" and not kernel_dtype:
-        raise TypeError(f"impl='pallas' supports float32 and bfloat16 inputs, got {jnp.dtype(dtype).name}; use impl='blocked'")
-    if impl != "auto":
-        return impl
-    if kernel_dtype and jax.default_backend() == "tpu":
-        return "pallas"
-    return "blocked"
-
-
-def scalar_row_weight(weight, reduction, num_positions, num_items, dtype):
-    """Each row's factor in the scalar loss: weight (or 1) over the reduction's divisor (as reduce_rows)."""
-    acc = accumulation_dtype(dtype)
-    w = jnp.ones((num_positions,), acc) if weight is None else weight.reshape(num_positions).astype(acc)
-    return w / reduction_divisor(reduction, num_positions, num_items)
+    """`shapes.choose_impl` for JAX: 'auto' is Pallas on a TPU backend (float32 / bfloat16)."""
+    return choose_impl(impl, jnp.dtype(dtype).name, jax.default_backend() == "tpu")
 
 
 def cut_bce(
@@ -106,8 +87,6 @@ def cut_bce(
     weight, class_weight, pos_weight = a["weight"], a["class_weight"], a["pos_weight"]
     block_v = size.block_v
     if mesh is not None and size.num_positions and size.hidden_size:  # an empty problem needs no mesh
-        from jax_kernels.sharded import cut_bce_sharded  # lazy: sharded imports this module
-
         return cut_bce_sharded(
             hidden, item_weight, targets, bias, mesh=mesh, vocab_axis=vocab_axis, data_axis=data_axis,
             weight=weight, class_weight=class_weight, pos_weight=pos_weight, reduction=reduction,
@@ -127,8 +106,9 @@ def cut_bce(
         item_weight,
         targets.reshape(n, size.num_slots),
         bias,
-        class_weight,
-        jax.lax.stop_gradient(pos_weight) if pos_weight is not None else None,
+        # Constants, as on the sharded path: no gradient flows into the class weights.
+        None if class_weight is None else jax.lax.stop_gradient(class_weight),
+        None if pos_weight is None else jax.lax.stop_gradient(pos_weight),
     )
     if reduction != "none" and n > 0:
         # A scalar loss: gradients computed during the forward (core.cut_bce_weighted_sum), with

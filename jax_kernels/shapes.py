@@ -177,3 +177,25 @@ def tile_width(block_v: int | None, num_positions: int, num_items: int) -> int:
 def accumulation_dtype_name(dtype_name: str) -> str:
     """Where every engine sums: float64 stays float64; float32, bfloat16 and float16 accumulate in float32."""
     return "float64" if dtype_name == "float64" else "float32"
+
+
+# The Pallas kernels' dtypes (TPU has no float64; float16 should be cast to bfloat16).
+KERNEL_DTYPES = ("float32", "bfloat16")
+IMPL_CHOICES = ("auto", "blocked", "pallas")
+
+
+def choose_impl(impl: str, dtype_name: str, on_tpu: bool) -> str:
+    """The engine for `impl`: 'auto' is the Pallas kernels on a TPU for float32 / bfloat16 inputs,
+    the blocked loop everywhere else. Both entries (and the torch_xla bridge) decide here.
+
+    Raises:
+      ValueError: an unknown impl. TypeError: impl='pallas' for a dtype the kernels do not take.
+    """
+    if impl not in IMPL_CHOICES:
+        raise ValueError(f"impl must be one of {IMPL_CHOICES}, got {impl!r}")
+    kernel_dtype = dtype_name in KERNEL_DTYPES
+    if impl == "pallas" and not kernel_dtype:
+        raise TypeError(f"impl='pallas' supports float32 and bfloat16 inputs, got {dtype_name}; use impl='blocked'")
+    if impl != "auto":
+        return impl
+    return "pallas" if kernel_dtype and on_tpu else "blocked"

@@ -52,7 +52,6 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_kernels.api import resolve_impl, scalar_row_weight
 from jax_kernels.arguments import prepare
 from jax_kernels.core import (
     CutBCEConfig,
@@ -63,8 +62,8 @@ from jax_kernels.core import (
     weighted_sum_cotangents,
 )
 from jax_kernels.focal import check_focal
-from jax_kernels.reference import reduce_rows
-from jax_kernels.shapes import default_block_v
+from jax_kernels.reduction import reduce_rows, scalar_row_weight
+from jax_kernels.shapes import choose_impl, default_block_v
 
 AxisName = str | tuple[str, ...] | None
 
@@ -440,7 +439,7 @@ def cut_bce_sharded(
     config = CutBCEConfig(
         block_v=min(block_v or default_block_v(local_n, local_items), local_items),
         compute_metrics=return_metrics,
-        impl=resolve_impl(impl, hidden.dtype),
+        impl=choose_impl(impl, jnp.dtype(hidden.dtype).name, jax.default_backend() == "tpu"),
         block_sizes=block_sizes,
         focal=focal,
     )

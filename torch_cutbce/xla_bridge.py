@@ -38,6 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jax_kernels.core as jax_core  # noqa: E402
+from jax_kernels.shapes import choose_impl  # noqa: E402
 from jax_kernels.focal import from_args as focal_from_args, to_args as focal_args  # noqa: E402
 from torch_cutbce.positives import accumulation_dtype  # noqa: E402
 import jax_kernels.sharded as jax_sharded  # noqa: E402
@@ -86,16 +87,9 @@ def _jax_weighted_sum(hidden, item_weight, targets, bias, class_weight, pos_weig
 
 
 def resolve_impl(backend: str, dtype: torch.dtype) -> str:
-    """Kernel choice on the JAX side: Pallas on a TPU, the blocked loop on other XLA backends."""
-    if backend == "xla_blocked":
-        return "blocked"
-    kernel_dtype = dtype in (torch.float32, torch.bfloat16)
-    if backend == "xla_pallas":
-        if not kernel_dtype:
-            raise TypeError(f"backend='xla_pallas' supports float32 and bfloat16, got {dtype}; use 'xla_blocked'")
-        return "pallas"
-    on_tpu = xr.device_type() == "TPU"
-    return "pallas" if on_tpu and kernel_dtype else "blocked"
+    """The JAX engine for a bridge backend (`shapes.choose_impl`): 'xla' is Pallas on a TPU."""
+    impl = {"xla": "auto", "xla_blocked": "blocked", "xla_pallas": "pallas"}.get(backend, "auto")
+    return choose_impl(impl, str(dtype).removeprefix("torch."), xr.device_type() == "TPU")
 
 
 def _axis(name: str):
