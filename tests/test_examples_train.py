@@ -91,6 +91,16 @@ def test_cutbce_step_matches_dense_bce(tmp_path, model):
     assert grads_cut["item_emb.weight"][0].abs().max() == 0  # the padding row never learns
 
 
+def test_focal_step_is_focal_and_gamma_zero_is_plain(tmp_path):
+    """--loss focal: a different loss than plain CutBCE at gamma 2, the same at gamma 0."""
+    plain, plain_grads = step_grads(tiny_config(tmp_path, loss="cutbce", block_v=64))
+    focal, _ = step_grads(tiny_config(tmp_path, loss="focal", focal_gamma=2.0, block_v=64))
+    assert torch.isfinite(focal) and 0 < focal < plain  # (1 - p_t)^gamma < 1 scales every term down
+    zero, zero_grads = step_grads(tiny_config(tmp_path, loss="focal", focal_gamma=0.0, block_v=64))
+    assert torch.equal(zero, plain)
+    assert all(torch.equal(zero_grads[name], plain_grads[name]) for name in plain_grads)
+
+
 def final_state(out_dir):
     ckpt = torch.load(Path(out_dir) / "ckpt.pt", weights_only=False)
     return ckpt["model"], ckpt["state"]
@@ -176,7 +186,7 @@ def test_every_flag_has_help_and_its_default():
         assert action.help, action.dest
         if action.default != "":  # an empty default is explained in the help instead
             assert f"(default: {action.default})" in text, action.dest
-    for closed in ("--model {sasrec,bert4rec}", "--loss {cutbce,dense}", "--device {cpu,xla}",
+    for closed in ("--model {sasrec,bert4rec}", "--loss {cutbce,focal,dense}", "--device {cpu,xla}",
                    "--dataset {ml-100k,yambda,synthetic}", "--exclude-seen {auto,yes,no}"):
         assert closed in text
     assert "--kill" not in text  # test hooks are not user options
