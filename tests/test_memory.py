@@ -10,6 +10,7 @@ their gradients (the `[V, D]` gradient itself grows with V, as it must).
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -26,7 +27,10 @@ NOISE_FLOOR_MIB = 16.0
 def run_memory_check(num_items, reductions):
     command = [sys.executable, str(SCRIPT), "--num-positions", str(NUM_POSITIONS), "--hidden-size", "64",
                "--json", "--num-items", *map(str, num_items), "--reduction", *reductions]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    # A fixed mmap threshold: glibc otherwise raises it after the first large free, and later tile
+    # buffers then come from the heap, whose high-water mark (RSS) depends on the allocation order.
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(1 << 20))
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     if done.returncode == 2:  # no /proc/self/clear_refs: the peak cannot be reset, one shape per process
         return [r for v in num_items for red in reductions for r in run_memory_check([v], [red])]
     assert done.returncode == 0, done.stderr[-3000:]
