@@ -56,6 +56,9 @@ def _rank_main(rank, init_file, out_dir):
     from torch_cutbce import cut_bce_with_logits
     from torch_cutbce.vocab_parallel import VocabParallelOptions
 
+    # Eager tiles (exact too): two ranks compiling the same tile functions at once can abort
+    # (seen once with torch 2.13 in the core-only check: SIGABRT in a rank).
+    os.environ["TORCH_CUTBCE_NO_COMPILE"] = "1"
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     results = {}
     for name, case in cases.cases().items():
