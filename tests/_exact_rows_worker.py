@@ -59,6 +59,7 @@ def _rank_main(rank, init_file, out_dir):
     # Eager tiles (exact too): two ranks compiling the same tile functions at once can abort
     # (seen once with torch 2.13 in the core-only check: SIGABRT in a rank).
     os.environ["TORCH_CUTBCE_NO_COMPILE"] = "1"
+    torch.set_num_threads(1)  # two ranks on a 2-core host, as tests/test_sharded_torch.py does
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     results = {}
     for name, case in cases.cases().items():
