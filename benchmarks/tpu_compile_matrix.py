@@ -14,17 +14,15 @@ compile is cut off by `--timeout-s` and this process never loads libtpu.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import itertools
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-OVERLAY = ROOT / ".venv" / "libtpu-overlay"
 CHIPS = ("v4", "v5e", "v5p", "v6e")
 DTYPES = ("float32", "bfloat16")
 NS = (1000, 8192, 16384)
@@ -46,6 +44,23 @@ def git_sha() -> str:
         return "unknown"
 
 
+@contextlib.contextmanager
+def append_rows(path: Path, fields):
+    """`write(row)` appending CSV rows to `path` (the header first when the file is new), each flushed."""
+    new = not path.exists()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", newline="") as f:
+        writer = csv.DictWriter(f, fields, restval="")
+        if new:
+            writer.writeheader()
+
+        def write(row):
+            writer.writerow(row)
+            f.flush()
+
+        yield write
+
+
 def compile_one(chip, dtype, n, v, d, num_slots):
     """Child side: one compile, printed as a JSON line (`CompileResult` fields)."""
     import dataclasses
@@ -64,22 +79,19 @@ def compile_one(chip, dtype, n, v, d, num_slots):
 
     result = tpu_compile.compile_for(chip, step, ((n, d), jnp.dtype(dtype)), ((v, d), jnp.dtype(dtype)),
                                      ((n, num_slots), jnp.int32))
-    print("RESULT " + json.dumps(dataclasses.asdict(result)), flush=True)
+    tpu_compile.print_result(dataclasses.asdict(result))
 
 
 def run_cell(chip, dtype, n, v, d, num_slots, timeout_s):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(OVERLAY), str(ROOT)]),
-               ALLOW_MULTIPLE_LIBTPU_LOAD="1")  # compile-only: no chip for the lockfile to guard
+    from jax_kernels import tpu_compile
+
     cmd = [sys.executable, __file__, "--one", chip, dtype, str(n), str(v), str(d), str(num_slots)]
     row = dict(chip=chip, dtype=dtype, N=n, V=v, D=d, L=num_slots)
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return dict(row, status="timeout", error=f"no result within {timeout_s} s", seconds=timeout_s)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if not lines:
-        return dict(row, status="error", error=f"exit {proc.returncode}: {proc.stderr[-500:]}")
-    r = json.loads(lines[-1][len("RESULT "):])
+    r, error = tpu_compile.run_child(cmd, tpu_compile.child_env(), timeout_s, stderr_tail=500)
+    if error is not None:
+        if error.startswith(tpu_compile.TIMEOUT_PREFIX):
+            return dict(row, status="timeout", error=error, seconds=timeout_s)
+        return dict(row, status="error", error=error)
     return dict(row, status="ok" if r["error"] is None else "error", error=(r["error"] or "")[:500],
                 seconds=round(r["seconds"], 2), temp_bytes=r["temp_bytes"],
                 argument_bytes=r["argument_bytes"], output_bytes=r["output_bytes"],
@@ -102,22 +114,17 @@ def main():
     if args.one:
         chip, dtype, *sizes = args.one
         return compile_one(chip, dtype, *map(int, sizes))
-    if not (OVERLAY / "libtpu").is_dir():
-        sys.exit(f"{OVERLAY} is missing: run ci/setup.sh")
+    from jax_kernels import tpu_compile
+
+    tpu_compile.require_overlay()
     cells = sorted(itertools.product(args.chips, args.dtypes, args.n, args.v, args.d),
                    key=lambda c: (c[2] * c[4] + c[3] * c[4], c))  # smallest (N + V) D first
     cells = cells[: args.limit] if args.limit is not None else cells
     sha = git_sha()
-    new = not args.out.exists()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "a", newline="") as f:
-        writer = csv.DictWriter(f, FIELDS, restval="")
-        if new:
-            writer.writeheader()
+    with append_rows(args.out, FIELDS) as write:
         for cell in cells:
             row = dict(run_cell(*cell, args.num_slots, args.timeout_s), git_sha=sha)
-            writer.writerow(row)
-            f.flush()
+            write(row)
             mib = f"{row['temp_bytes'] / 2**20:.1f} MiB temp" if row.get("temp_bytes") is not None else ""
             print(f"{row['chip']} {row['dtype']} N {row['N']} V {row['V']} D {row['D']}: {row['status']} "
                   f"{row.get('seconds', '')} s {mib} {row['error'][:200]}", flush=True)

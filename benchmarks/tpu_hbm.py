@@ -32,17 +32,12 @@ import csv
 import dataclasses
 import hashlib
 import json
-import os
 import re
 import shlex
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-OVERLAY = ROOT / ".venv" / "libtpu-overlay"
 RESULTS = HERE / "results"
 
 LOSSES = ("cutbce", "dense")
@@ -124,7 +119,7 @@ def training_step(cell: Cell, mesh):
                                  data_axis="data")
         if cell.table_rows != cell.v:
             # The padding rows after the catalog are inert (no loss, zero gradient, not in the mean).
-            loss = functools.partial(jax_kernels.cut_bce_sharded, impl="pallas", mesh=mesh,
+            loss = functools.partial(jax_kernels.cut_bce, impl="pallas", mesh=mesh,
                                      vocab_axis="model", data_axis="data", num_items=cell.v)
 
     def step(hidden, item_weight, targets):
@@ -141,12 +136,13 @@ def input_structs(cell: Cell):
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.experimental import topologies
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    from jax_kernels import tpu_compile
+
     mesh_shape, table_spec, positions_spec = LAYOUTS[cell.layout]
-    devices = topologies.get_topology_desc(topology_name=cell.topology, platform="tpu").devices
+    devices = tpu_compile.topology(cell.topology).devices
     count = mesh_shape[0] * mesh_shape[1]
     mesh = Mesh(np.array(devices[:count]).reshape(mesh_shape), ("data", "model"))
     dtype = jnp.dtype(cell.dtype)
@@ -173,8 +169,9 @@ def oom_needed_bytes(message: str) -> int | None:
     return int(allocation.group(1)) if allocation is not None else None
 
 
-def hbm_bytes(stats) -> int:
-    """HBM the compiled program holds per chip: its arguments, outputs and temporaries, less donations.
+def hbm_bytes(sizes: dict) -> int:
+    """HBM the compiled program holds per chip (`sizes`: `tpu_compile.memory_bytes`): its arguments,
+    outputs and temporaries, less donations.
 
     This is what the TPU compiler checks against the chip's capacity: its out-of-memory message adds
     the same temp allocation (fragmentation included) to the arguments. Not `peak_memory_in_bytes`,
@@ -182,8 +179,7 @@ def hbm_bytes(stats) -> int:
     VMEM (v5e, CutBCE at V 10^4: 18.8 MB, against 4.9 MB of HBM arguments and outputs and no HBM
     temp; v6e x 8, dense: 11.0 GB against 14.6 GB); it is recorded beside it as `xla_peak_bytes`.
     """
-    return (stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
-            - stats.alias_size_in_bytes)
+    return sizes["argument_bytes"] + sizes["output_bytes"] + sizes["temp_bytes"] - sizes["alias_bytes"]
 
 
 def kernels_sha() -> str:
@@ -204,49 +200,38 @@ def compile_cell(cell: Cell) -> dict:
         `status` ('ok', 'oom' or 'error'), `error` text, `seconds`, and for 'ok' the per-chip byte
         counts of `compiled.memory_analysis()` (an SPMD program's analysis is per device).
     """
-    import jax
-
     from jax_kernels import tpu_compile
 
     tpu_compile.pin_mosaic_version()
     kernels = dict(kernels_sha=kernels_sha())
-    start = time.perf_counter()
     try:
         mesh, structs = input_structs(cell)
-        stats = jax.jit(training_step(cell, mesh)).lower(*structs).compile().memory_analysis()
-    except Exception as e:  # noqa: BLE001: a program that does not compile is a result to record
-        text = " ".join(f"{type(e).__name__}: {e}".split())  # one line: the CSV stays greppable
+    except Exception as e:  # noqa: BLE001: reported like a failed compile
+        structs, result = None, tpu_compile.CompileResult(cell.chip, f"{type(e).__name__}: {e}", 0.0)
+    if structs is not None:
+        result = tpu_compile.compile_for(cell.topology, training_step(cell, mesh), *structs)
+    if not result.ok:
+        text = " ".join(result.error.split())  # one line: the CSV stays greppable
         oom = "RESOURCE_EXHAUSTED" in text and oom_needed_bytes(text) is not None
-        return dict(kernels, status="oom" if oom else "error", error=text[:2000], seconds=time.perf_counter() - start,
+        return dict(kernels, status="oom" if oom else "error", error=text[:2000], seconds=result.seconds,
                     oom_needed_bytes=oom_needed_bytes(text) if oom else None)
-    return dict(kernels, status="ok", error="", seconds=time.perf_counter() - start,
-                peak_bytes=hbm_bytes(stats), xla_peak_bytes=stats.peak_memory_in_bytes,
-                argument_bytes=stats.argument_size_in_bytes,
-                output_bytes=stats.output_size_in_bytes, temp_bytes=stats.temp_size_in_bytes,
-                alias_bytes=stats.alias_size_in_bytes, code_bytes=stats.generated_code_size_in_bytes)
-
-
-def compile_env() -> dict:
-    """The child's environment: libtpu on the path (only there), and no libtpu lockfile check."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(OVERLAY), str(ROOT)]),
-               ALLOW_MULTIPLE_LIBTPU_LOAD="1")  # compile-only: no chip for the lockfile to guard
-    env.pop("JAX_PLATFORMS", None)
-    return env
+    sizes = {k: getattr(result, k) for k in ("argument_bytes", "output_bytes", "temp_bytes", "alias_bytes", "code_bytes")}
+    return dict(kernels, status="ok", error="", seconds=result.seconds, peak_bytes=hbm_bytes(sizes),
+                xla_peak_bytes=result.xla_peak_bytes, **sizes)
 
 
 def run_cell(cell: Cell, timeout_s: float) -> dict:
     """Parent side: compile `cell` in a fresh subprocess; a CSV row (without git_sha and command)."""
+    from jax_kernels import tpu_compile
+
     row = dict(chip=cell.chip, topology=cell.topology, layout=cell.layout, loss=cell.loss, dtype=cell.dtype,
                N=cell.n, V=cell.v, table_rows=cell.table_rows, D=cell.d, L=cell.num_slots)
     cmd = [sys.executable, __file__, "--one", json.dumps(dataclasses.asdict(cell))]
-    try:
-        proc = subprocess.run(cmd, env=compile_env(), capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return dict(row, status="timeout", error=f"no result within {timeout_s} s", seconds=timeout_s)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if not lines:
-        return dict(row, status="error", error=f"exit {proc.returncode}: {proc.stderr[-1000:]}")
-    result = json.loads(lines[-1][len("RESULT "):])
+    result, error = tpu_compile.run_child(cmd, tpu_compile.child_env(), timeout_s)
+    if error is not None:
+        timed_out = error.startswith(tpu_compile.TIMEOUT_PREFIX)
+        return dict(row, status="timeout" if timed_out else "error", error=error,
+                    **(dict(seconds=timeout_s) if timed_out else {}))
     return dict(row, **dict(result, seconds=round(result["seconds"], 2)))
 
 
@@ -456,28 +441,24 @@ def main():
     p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
-        result = compile_cell(Cell(**json.loads(args.one)))
-        print("RESULT " + json.dumps(result), flush=True)
+        from jax_kernels import tpu_compile
+
+        tpu_compile.print_result(compile_cell(Cell(**json.loads(args.one))))
         return
     command = shlex.join([".venv/bin/python", "benchmarks/tpu_hbm.py", *sys.argv[1:]])
     png, md = args.out.with_suffix(".png"), args.out.with_suffix(".md")
     if args.report_only:
         return write_reports(args.out, png, md, command)
-    if not (OVERLAY / "libtpu").is_dir():
-        sys.exit(f"{OVERLAY} is missing: run ci/setup.sh")
-    from tpu_compile_matrix import git_sha
+    from jax_kernels import tpu_compile
+
+    tpu_compile.require_overlay()
+    from tpu_compile_matrix import append_rows, git_sha
 
     sha = git_sha()
-    new = not args.out.exists()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "a", newline="") as f:
-        writer = csv.DictWriter(f, FIELDS, restval="")
-        if new:
-            writer.writeheader()
+    with append_rows(args.out, FIELDS) as write:
         for cell in cells(args):
             row = dict(run_cell(cell, args.timeout_s), git_sha=sha, command=command)
-            writer.writerow(row)
-            f.flush()
+            write(row)
             peak = f"peak {_gib(row):.3f} GiB" if row.get("peak_bytes") else ""
             print(f"{cell.layout} {cell.chip} {cell.loss} {cell.dtype} V {cell.v} D {cell.d}: {row['status']} "
                   f"{row.get('seconds', '')} s {peak} {row.get('error', '')[:150]}", flush=True)

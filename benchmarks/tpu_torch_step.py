@@ -37,8 +37,6 @@ import argparse
 import csv
 import dataclasses
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,11 +44,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-OVERLAY = ROOT / ".venv" / "libtpu-overlay"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.tpu_compile_matrix import git_sha  # noqa: E402
+from benchmarks.tpu_compile_matrix import append_rows, git_sha  # noqa: E402
+from jax_kernels import tpu_compile  # noqa: E402
 
 # 'dense_unhinted' is 'dense' without the sharding hints on its [N, V] tensors; it differs only
 # for several chips (examples/train.py --mesh shards nothing but the batch), so it runs only there.
@@ -112,8 +110,6 @@ def lower_bridge_for_tpu() -> None:
     """
     import jax
     import torch_xla.core.xla_builder as xb
-
-    from jax_kernels import tpu_compile
 
     tpu_compile.pin_mosaic_version()
 
@@ -288,11 +284,9 @@ def compile_step(cell: Cell, out_dir: Path, xla_dump_to: str | None = None) -> d
     import numpy as np
     from jax._src import compiler
     from jax._src.lib import xla_client
-    from jax.experimental import topologies
 
     meta = json.loads((out_dir / "step.json").read_text())
-    topo = topologies.get_topology_desc(topology_name=cell.topology, platform="tpu")
-    devices = tuple(topo.devices[: cell.chips])
+    devices = tuple(tpu_compile.topology(cell.topology).devices[: cell.chips])
     start = time.perf_counter()
     try:
         stablehlo = xla_client._xla.mlir.hlo_to_stablehlo((out_dir / "step.pb").read_bytes())
@@ -304,9 +298,7 @@ def compile_step(cell: Cell, out_dir: Path, xla_dump_to: str | None = None) -> d
         stats = devices[0].client.compile(bytecode, xla_client.DeviceList(devices), options).get_compiled_memory_stats()
     except Exception as e:  # noqa: BLE001: a step that does not fit is a result, with the compiler's words
         return dict(error=f"{type(e).__name__}: {e}", compile_seconds=time.perf_counter() - start)
-    sizes = dict(argument_bytes=stats.argument_size_in_bytes, output_bytes=stats.output_size_in_bytes,
-                 alias_bytes=stats.alias_size_in_bytes, temp_bytes=stats.temp_size_in_bytes,
-                 code_bytes=stats.generated_code_size_in_bytes)
+    sizes = tpu_compile.memory_bytes(stats)
     peak = sizes["argument_bytes"] + sizes["output_bytes"] - sizes["alias_bytes"] + sizes["temp_bytes"] + sizes["code_bytes"]
     return dict(error=None, compile_seconds=time.perf_counter() - start, peak_bytes=peak, **sizes)
 
@@ -316,23 +308,15 @@ def compile_step(cell: Cell, out_dir: Path, xla_dump_to: str | None = None) -> d
 
 def _child(mode: str, cell: Cell, out_dir: Path, timeout_s: float, xla_dump_to: str | None = None):
     """Run `mode` ('trace' or 'compile') for `cell` in a fresh process; (stdout last line, error)."""
-    env = dict(os.environ, PJRT_DEVICE="CPU")
-    env.pop("JAX_PLATFORMS", None)
-    if mode == "trace":
-        env.update(PYTHONPATH=str(ROOT), CPU_NUM_DEVICES=str(cell.chips))
-    else:  # libtpu only here; compile-only clients guard no chip, so the lockfile must not stop a second one
-        env.update(PYTHONPATH=os.pathsep.join([str(OVERLAY), str(ROOT)]), ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    if mode == "trace":  # torch_xla on the CPU, libtpu not on the path
+        env = tpu_compile.child_env(libtpu=False, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(cell.chips))
+    else:  # libtpu only here
+        env = tpu_compile.child_env(PJRT_DEVICE="CPU")
     cmd = [sys.executable, __file__, f"--{mode}", json.dumps(dataclasses.asdict(cell)), str(out_dir)]
     if xla_dump_to and mode == "compile":
         cmd += ["--xla-dump-to", xla_dump_to]
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return None, f"{mode}: no result within {timeout_s:.0f} s"
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        return None, f"{mode} exit {proc.returncode}: {proc.stderr[-1500:]}"
-    return json.loads(lines[-1][len("RESULT "):]), None
+    result, error = tpu_compile.run_child(cmd, env, timeout_s, stderr_tail=1500, require_exit_zero=True)
+    return result, (None if error is None else f"{mode}: {error}")
 
 
 def run_cell(cell: Cell, timeout_s: float, xla_dump_to: str | None = None) -> dict:
@@ -436,18 +420,12 @@ def main():
             result = fn(Cell(**json.loads(spec)), Path(out_dir), **extra)
             if mode == "trace":
                 result = json.loads((Path(out_dir) / "step.json").read_text())
-            print("RESULT " + json.dumps(result), flush=True)
+            tpu_compile.print_result(result)
             return
-    if not (OVERLAY / "libtpu").is_dir():
-        sys.exit(f"{OVERLAY} is missing: run ci/setup.sh")
+    tpu_compile.require_overlay()
     sha = git_sha()
     command = ".venv/bin/python benchmarks/tpu_torch_step.py " + " ".join(sys.argv[1:])
-    new = not args.out.exists()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "a", newline="") as f:
-        writer = csv.DictWriter(f, FIELDS, restval="")
-        if new:
-            writer.writeheader()
+    with append_rows(args.out, FIELDS) as write:
         for preset in args.presets:
             for spec in PRESETS[preset]:
                 for dtype in args.dtypes:
@@ -459,8 +437,7 @@ def main():
                         row = dict(run_cell(cell, args.timeout_s, args.xla_dump_to), git_sha=sha,
                                    source_hash=code if code == source_hash() else "changed during the cell",
                                    command=command.strip())
-                        writer.writerow(row)
-                        f.flush()
+                        write(row)
                         print(f"{preset} {cell.chip} x{cell.chips} {dtype} {loss} B {cell.batch} T {cell.seq_len} "
                               f"V {cell.num_items}: {row['status']} peak {gib(row.get('peak_bytes'))} GiB "
                               f"temp {gib(row.get('temp_bytes'))} GiB, {row.get('compile_seconds', '')} s "

@@ -3,7 +3,7 @@
 # then, for the full run (no arguments), the core-only check: the sdist installed without extras
 # into .venv-core (torch 2.13.0, no jax, no torch_xla) must pass or skip every test
 # (ci/core_only.sh). Arguments go to pytest and run only the main suite:
-#   bash ci/test.sh tests/test_native_torch.py -k mean
+#   bash ci/test.sh tests/test_l1_native_torch.py -k mean
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash ci/setup.sh

@@ -4,14 +4,13 @@ Never imports torch. Public names load lazily (PEP 562) so that `jax_kernels.sha
 torch_cutbce uses for its argument checks, does not import jax.
 """
 
+# One entry (`cut_bce`, the mesh an option of it), its oracle and its option type. The engines
+# (`core`, `blocked`, `pallas_*`, `sharded`) are modules of their own, for the torch_xla bridge
+# and the tests, not entries.
 _PUBLIC = {
     "cut_bce": "jax_kernels.api",
-    "cut_bce_sharded": "jax_kernels.sharded",
     "dense_cut_bce": "jax_kernels.reference",
     "Focal": "jax_kernels.focal",
-    "CutBCEConfig": "jax_kernels.core",
-    "cut_bce_forward": "jax_kernels.core",
-    "cut_bce_backward": "jax_kernels.core",
 }
 
 __all__ = sorted(_PUBLIC)

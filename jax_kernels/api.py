@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from jax_kernels.arguments import prepare
 from jax_kernels.core import CutBCEConfig, cut_bce_rows, cut_bce_weighted_sum
 from jax_kernels.focal import check_focal
-from jax_kernels.reduction import reduce_rows, scalar_row_weight
-from jax_kernels.shapes import choose_impl, default_block_v
-from jax_kernels.sharded import cut_bce_sharded
+from jax_kernels.reduction import finish
+from jax_kernels.shapes import choose_impl, tile_width
+from jax_kernels.sharded import sharded_loss
 
 def resolve_impl(impl: str, dtype) -> str:
     """`shapes.choose_impl` for JAX: 'auto' is Pallas on a TPU backend (float32 / bfloat16)."""
@@ -34,12 +37,14 @@ def cut_bce(
     mesh=None,
     vocab_axis="model",
     data_axis="data",
+    num_items: int | None = None,
     focal=None,
 ):
     """Binary cross-entropy of `hidden @ item_weight.T + bias` against multi-hot targets, without the logits.
 
     Computes exactly `jax_kernels.reference.dense_cut_bce` (the formula is stated there) in
-    vocabulary tiles; works under `jax.jit` (all options are static Python values).
+    vocabulary tiles; works under `jax.jit` (all options are static Python values). The choices
+    shared with the torch entry (reductions, weights, ids >= V, dtypes): docs/design.md, 'The API'.
 
     Every array argument may be any array-like (`jax.Array`, numpy array, nested list): it is
     converted with `jnp.asarray`, except that concrete `targets` are checked first (below).
@@ -58,10 +63,8 @@ def cut_bce(
       weight: `[*S]` per-position weight (e.g. a padding mask), or None. Differentiable.
       class_weight: `[V]` per-item weight, or None. Treated as a constant (zero gradient).
       pos_weight: `[V]` weight of the positive term, as in BCEWithLogitsLoss. A constant.
-      reduction: 'mean' (sum over all N x V elements / (N V), as BCEWithLogitsLoss), 'sum', or
-        'none' (shape S: each position's loss summed over items; the `[*S, V]` tensor
-        BCEWithLogitsLoss would return is the one this function exists not to build). 'mean' of
-        N = 0 positions is nan, as torch's mean of an empty tensor; its gradients are zeros.
+      reduction: 'mean' (divides by N x V, as BCEWithLogitsLoss), 'sum', or 'none' (shape S, each
+        position's loss summed over items); N = 0 and the rest: docs/design.md, 'Reductions'.
       return_metrics: also return `(tp, fp, fn, tn)` float32 counts (z > 0 is a positive
         prediction), times `weight`, summed over positions unless reduction is 'none'.
       block_v: vocabulary tile of the blocked implementation, a positive int (numpy integers
@@ -69,9 +72,17 @@ def cut_bce(
       impl: 'auto' (Pallas on TPU, blocked elsewhere), 'blocked', or 'pallas' (Mosaic kernels on
         TPU; the same kernels in interpret mode when lowered for another platform).
       block_sizes: Pallas tile sizes (`jax_kernels.block_sizes.BlockSizes`), None = derived.
-      mesh, vocab_axis, data_axis: run sharded over a device mesh, the item table split along V
-        on `vocab_axis` and the positions on `data_axis` (`jax_kernels.sharded.cut_bce_sharded`
-        documents the rules); None (default) runs on one device.
+      mesh: a `jax.sharding.Mesh` to run sharded: each device loops over its slice of the item
+        table (split along V on `vocab_axis`) and of the positions (split on `data_axis`); the
+        table is never gathered. 'infer': the mesh of the inputs' `NamedSharding`, of a traced
+        input, or of `jax.set_mesh`. None (default): one device. Works eagerly and under `jit`.
+      vocab_axis, data_axis: mesh axis names (or tuples of names); None keeps the table whole /
+        replicates the positions. They must not share an axis. Padding and collectives:
+        examples/sharded_note.md.
+      num_items: the catalog size V when `item_weight` has padding rows after it (a table sharded
+        along V needs a row count the shards divide: 876,939 items on 4 shards are 876,940 rows):
+        the extra rows get no loss and a zero gradient, 'mean' divides by N x num_items, and ids
+        >= num_items are errors. None: every row is an item.
       focal: a `jax_kernels.Focal(gamma, alpha, apply_class_balancing)`: the focal loss (Keras'
         `BinaryFocalCrossentropy`; the formula is in `jax_kernels.reference`), exact on every
         path; None (default): plain BCE. `Focal(gamma=0)` without balancing is plain BCE, bit for
@@ -82,19 +93,21 @@ def cut_bce(
     """
     focal = check_focal(focal)
     size, a = prepare(hidden, item_weight, targets, bias, weight, class_weight, pos_weight,
-                      reduction=reduction, block_v=block_v)
+                      reduction=reduction, block_v=block_v, num_items=num_items)
     hidden, item_weight, targets, bias = a["hidden"], a["item_weight"], a["targets"], a["bias"]
     weight, class_weight, pos_weight = a["weight"], a["class_weight"], a["pos_weight"]
     block_v = size.block_v
     if mesh is not None and size.num_positions and size.hidden_size:  # an empty problem needs no mesh
-        return cut_bce_sharded(
-            hidden, item_weight, targets, bias, mesh=mesh, vocab_axis=vocab_axis, data_axis=data_axis,
-            weight=weight, class_weight=class_weight, pos_weight=pos_weight, reduction=reduction,
-            return_metrics=return_metrics, block_v=block_v, impl=impl, block_sizes=block_sizes,
-            focal=focal,
-        )
+        return sharded_loss(size, a, mesh=mesh, vocab_axis=vocab_axis, data_axis=data_axis, reduction=reduction,
+                            return_metrics=return_metrics, impl=impl, block_sizes=block_sizes, focal=focal,
+                            num_items=num_items)
+    if num_items is not None and num_items < size.num_items:  # one device: the padding rows go
+        num_items = int(num_items)
+        item_weight, bias, class_weight, pos_weight = (
+            None if x is None else x[:num_items] for x in (item_weight, bias, class_weight, pos_weight))
+        size = dataclasses.replace(size, num_items=num_items)
     config = CutBCEConfig(
-        block_v=block_v or default_block_v(size.num_positions, size.num_items),
+        block_v=tile_width(block_v, size.num_positions, size.num_items),
         compute_metrics=return_metrics,
         impl=resolve_impl(impl, hidden.dtype),
         block_sizes=block_sizes,
@@ -110,24 +123,7 @@ def cut_bce(
         None if class_weight is None else jax.lax.stop_gradient(class_weight),
         None if pos_weight is None else jax.lax.stop_gradient(pos_weight),
     )
-    if reduction != "none" and n > 0:
-        # A scalar loss: gradients computed during the forward (core.cut_bce_weighted_sum), with
-        # one pass over the tiles fewer than forward then backward, blocked or Pallas.
-        row_weight = scalar_row_weight(weight, reduction, n, size.num_items, hidden.dtype)
-        loss, counts = cut_bce_weighted_sum(config, *operands, row_weight)
-    else:
-        # N = 0 comes here too: 'mean' is then 0 / 0 = nan (as torch) with zero gradients.
-        rows, counts = cut_bce_rows(config, *operands)
-        if weight is not None:
-            rows = rows * weight.reshape(n).astype(rows.dtype)
-        loss = reduce_rows(rows, reduction, size.num_items).reshape(size.lead_shape if reduction == "none" else ())
-    if weight is not None:
-        counts = counts * weight.reshape(1, n).astype(counts.dtype)
-    if not return_metrics:
-        return loss
-    if reduction == "none":
-        metrics = tuple(c.reshape(size.lead_shape) for c in counts)
-    else:
-        metrics = tuple(counts.sum(-1))
-    return loss, metrics
+    # 'sum' / 'mean' take core.cut_bce_weighted_sum: the gradients computed during the forward.
+    return finish(functools.partial(cut_bce_rows, config), functools.partial(cut_bce_weighted_sum, config),
+                  operands, weight, reduction, size.lead_shape, size.num_items, return_metrics)
 

@@ -1,4 +1,4 @@
-"""Argument preparation of the JAX entry points (`cut_bce`, `cut_bce_sharded`, `dense_cut_bce`).
+"""Argument preparation of the JAX entry points (`cut_bce`, `dense_cut_bce`).
 
 Array-likes (numpy arrays, nested lists, scalars) are accepted and converted with `jnp.asarray`.
 Target ids are the exception: without x64, JAX narrows int64 to int32 by wrapping, which turns
@@ -11,11 +11,13 @@ the engines compare it with V in int64 (`positives.positive_slots`).
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_kernels.shapes import ArraySpec, ProblemSize, check_arguments, check_block_v
+from jax_kernels.shapes import ArraySpec, ProblemSize, check_arguments, check_block_v, check_largest_id
 
 FLOAT_ARGUMENTS = ("hidden", "item_weight", "bias", "weight", "class_weight", "pos_weight")
 
@@ -54,11 +56,7 @@ def check_ids_below_vocab(targets, num_items: int) -> None:
     """ids >= V raise on concrete arrays; under jit the check would need a host sync (they are masked)."""
     if isinstance(targets, jax.core.Tracer) or targets.size == 0:
         return
-    largest = int(np.max(np.asarray(targets)))
-    if largest >= num_items:
-        raise ValueError(
-            f"targets holds item id {largest}, but item_weight has only V={num_items} items (ids must be < V)"
-        )
+    check_largest_id(int(np.max(np.asarray(targets))), num_items)
 
 
 def checked_ids(targets, num_items: int):
@@ -80,7 +78,7 @@ def checked_ids(targets, num_items: int):
 
 def prepare(hidden, item_weight, targets, bias, weight, class_weight, pos_weight, *, reduction, block_v,
             num_items=None) -> tuple[ProblemSize, dict]:
-    """Everything the entries (`cut_bce`, `cut_bce_sharded`) check before any engine runs.
+    """Everything the entry (`cut_bce`, on one device or a mesh) checks before any engine runs.
 
     Returns the sizes (`size.block_v` a Python int or None) and the arguments by name, converted to
     JAX arrays, targets checked against the catalog size (`num_items`, default: the table's rows).
@@ -92,7 +90,9 @@ def prepare(hidden, item_weight, targets, bias, weight, class_weight, pos_weight
     size = check_arguments(*(spec(arrays[k]) for k in ("hidden", "item_weight")), spec(targets),
                            *(spec(arrays[k]) for k in ("bias", "weight", "class_weight", "pos_weight")),
                            reduction=reduction, block_v=block_v)
-    catalog = size.num_items if num_items is None else num_items
+    if num_items is not None and (isinstance(num_items, bool) or not isinstance(num_items, numbers.Integral)):
+        raise TypeError(f"num_items must be an int or None, got {num_items!r} of type {type(num_items).__name__}")
+    catalog = size.num_items if num_items is None else int(num_items)
     if not 1 <= catalog <= size.num_items:
         raise ValueError(f"num_items must be in [1, {size.num_items}] (the table's rows), got {num_items}")
     arrays["targets"] = checked_ids(targets, catalog)

@@ -1,24 +1,10 @@
-"""Block sizes and the VMEM budget of the Pallas TPU background kernels.
+"""Block sizes and the VMEM budget of the Pallas TPU kernels.
 
-The kernels in `pallas_background.py` tile the `[N, V]` logits into `[block_n, block_v]` tiles that
-live only in VMEM (the TPU core's on-chip vector memory). This module holds
-
-- `ChipSpec` and `CHIPS`: a per-generation table (VMEM, MXU width, HBM bandwidth, peak matmul rate),
-- `detect_chip()`: the chip of the first JAX device when it is a TPU, else None,
-- `vmem_estimate_bytes()`: a conservative model of the kernels' VMEM use for one tile shape,
-- `BlockSizes`: a frozen, hashable, self-validating config that users may pass to override sizes,
-- `default_block_sizes()`: the largest MXU-aligned tiles that fit the chip's VMEM budget.
-
-Sources of the table (all numbers are per JAX device, i.e. what one kernel launch can use):
-- VMEM per TensorCore, MXU width, HBM bandwidth and bf16 peak: `jax/_src/pallas/mosaic/tpu_info.py`
-  in jax-ml/jax (the table behind `pltpu.get_tpu_info()` in jax >= 0.8; jax 0.7.1 lacks that API),
-  cross-checked against the Cloud TPU pages (docs.cloud.google.com/tpu/docs/v5e, /v6e).
-- v4 and v5p expose both TensorCores of a chip as one device ("megacore"): HBM and peak are the
-  chip's, VMEM is per core (each core runs half of the "parallel" grid axis with its own VMEM).
-- TPU7x exposes each TensorCore as its own device: HBM and peak are half the chip's.
-- float32 peak: the MXU multiplies bf16; an f32 matmul at `Precision.HIGHEST` (what the kernels use
-  for f32 inputs) takes 6 bf16 passes, so f32 peak = bf16 peak / 6. That is our estimate, not a
-  published number.
+`ChipSpec` / `CHIPS` (per-generation VMEM, MXU width, HBM bandwidth, peak matmul rate),
+`detect_chip()`, `vmem_estimate_bytes()` (a conservative model of a kernel's VMEM for one tile
+shape), `BlockSizes` (the user's override: frozen, hashable, validated) and `default_block_sizes()`
+(the largest MXU-aligned tiles that fit). The table's sources, the model's check against libtpu and
+the derived tiles: jax_kernels/README.md, 'Block sizes and the VMEM budget'.
 """
 
 from __future__ import annotations
@@ -121,30 +107,22 @@ def detect_chip() -> ChipSpec | None:
 
 
 def vmem_estimate_bytes(block_n: int, block_v: int, d: int, dtype, *, num_targets: int = 1) -> int:
-    """Upper estimate of the VMEM one grid step of the worst of the three kernels uses.
+    """Upper estimate of the VMEM one grid step of the worst of the kernels uses.
 
-    Pallas double-buffers every block (the DMA of step k+1 overlaps the compute of step k); rows are
-    padded to 128 lanes and row vectors to 8 sublanes in VMEM.
-
-    - inputs: hidden `[block_n, d]`, item_weight `[block_v, d]` (input dtype); bias, class weight
-      and pos weight `[1, block_v]` f32; the positive ids `[block_n, L]` int32 (lane-padded: any
-      L <= 128 costs one 128-lane block); the lane-replicated upstream gradient `[block_n, 128]`
-      f32.
-    - outputs: the d_item_weight block `[block_v, d]` f32 and d_bias `[1, block_v]` f32 (the largest
-      output set; the d_hidden block `[block_n, d]` f32 and the forward's three `[block_n, 128]`
-      partial sums are counted by the max). For a bf16 table the block is bf16 plus one f32
-      accumulator scratch: the same bytes as two f32 buffers.
-    - The item_weight tile and the d_item_weight block are counted as `[block_v, d]` with d padded
-      to 128 lanes; when the kernels take the table as `[d, V]` (d no multiple of 128) they are
-      `[d, block_v]`, d padded to 8 or 16 sublanes only, so the estimate is an upper bound there.
-    - temporaries: the `[block_n, block_v]` f32 logits scratch that the kernels walk in strips of
-      8 rows (targets, softplus or sigmoid, weights: the strips' own temporaries are small, for
-      any L), four more 4-byte `[block_n, block_v]` tiles (the logits before they are stored,
-      dz read back, its transpose, and one for Mosaic's copies), one copy of the tile in the
-      input dtype (the MXU operand), the masked item_weight tile and the f32 matmul result before
-      it is added to the accumulator. Compiled for v4 by libtpu, the largest of the three kernels
-      used 48 MiB at 1024 x 2048, D = 256, L = 32 in f32 (this model: 64 MiB) and 22 MiB in bf16
-      (model: 57 MiB); 512 x 512 f32 at D = 256 fits v4's 12 MiB limit (model: 11.6 MiB).
+    Every block double-buffered (rows padded to 128 lanes, row vectors to 8 sublanes):
+    - inputs: hidden `[block_n, d]`, item_weight `[block_v, d]` (input dtype); bias, class and pos
+      weight `[1, block_v]` f32; the ids `[block_n, L]` int32 (any L <= 128 costs one 128-lane
+      block); the lane-replicated upstream gradient `[block_n, 128]` f32.
+    - outputs, the larger of: d_item_weight `[block_v, d]` (f32, or a bf16 block plus an f32
+      scratch: the same bytes) with d_bias `[1, block_v]`; or d_hidden `[block_n, d]` f32 with the
+      three `[block_n, 128]` f32 row and count partials the one-pass kernel writes beside it.
+    - temporaries: five 4-byte `[block_n, block_v]` tiles (the logits scratch walked in 8-row
+      strips, the logits before they are stored, dz read back, its transpose, one for Mosaic's
+      copies), one input-dtype copy of the tile, the masked item_weight tile and the
+      f32 matmul result before it is accumulated.
+    The table counts as `[block_v, d]` with d lane-padded also when the kernels take it as
+    `[d, V]`, so the estimate is an upper bound there. Checked against libtpu's compile-only
+    client: jax_kernels/README.md, 'Block sizes and the VMEM budget'.
 
     Args:
         block_n: rows (positions) per tile.
@@ -162,7 +140,7 @@ def vmem_estimate_bytes(block_n: int, block_v: int, d: int, dtype, *, num_target
     ids_block = block_n * _round_up(num_targets, LANES) * 4
     blocks = block_n * dp * b + block_v * dp * b + 3 * row_vec + ids_block + block_n * LANES * 4
     inputs = 2 * blocks
-    outputs = 2 * max(block_v * dp * 4 + row_vec, block_n * dp * 4, 3 * block_n * LANES * 4)
+    outputs = 2 * max(block_v * dp * 4 + row_vec, block_n * dp * 4 + 3 * block_n * LANES * 4)
     temps = 5 * block_n * block_v * 4 + block_n * block_v * b + block_v * dp * (b + 4)
     return inputs + outputs + temps
 

@@ -1,17 +1,10 @@
 """The focal variant's options, shared by both frameworks (framework-neutral: plain Python).
 
-Focal BCE (Lin et al.; Keras `BinaryFocalCrossentropy` semantics, the seed's
-`cut_binary_focal_cross_entropy`) scales each element's BCE term by `(1 - p_t)^gamma`, where p_t is
-the probability the model gives the element's own label. In logit space, with `u = z` for a
-negative and `u = -z` for a positive (the logit seen from the element's label):
-
-    term(u) = sigmoid(u)^gamma * softplus(u),     sigmoid(u)^gamma = exp(-gamma * softplus(-u))
-    d term / du = sigmoid(u)^gamma * (gamma * sigmoid(-u) * softplus(u) + sigmoid(u))
-
-finite for every u and every gamma >= 0 (fractional gamma included: no negative power appears).
-With `apply_class_balancing`, positives are multiplied by `alpha` and negatives by `1 - alpha`.
-`class_weight` and `pos_weight` multiply as in plain CutBCE. `gamma = 0` without balancing is plain
-CutBCE, and the engines run the plain code for it (bit for bit the same result).
+`Focal(gamma, alpha, apply_class_balancing)`: Keras `BinaryFocalCrossentropy` semantics (Lin et
+al.), each element's BCE term scaled by `(1 - p_t)^gamma`. The formula: `jax_kernels/reference.py`;
+with its derivative: docs/design.md, 'The focal variant' (finite for every logit and every
+gamma >= 0, fractional included). `gamma = 0` without balancing is plain CutBCE, and
+`check_focal` turns it into None so that the engines run the plain code, bit for bit.
 """
 
 from __future__ import annotations

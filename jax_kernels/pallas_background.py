@@ -1,67 +1,11 @@
-"""Pallas TPU kernels of CutBCE: every element's exact loss, one logits tile at a time.
+"""The Pallas TPU engine's launchers: every element's exact loss and gradients, one logits tile at a time.
 
-Each kernel sees the positive ids of its rows and evaluates every element of the `[N, V]` loss of
-docs/design.md ('The math') inside the `[block_n, block_v]` tile where it falls: the positives are taken out
-of the background there, and nothing is corrected afterwards. With
-`z[n, v] = hidden[n] . item_weight[v] + bias[v]`, `y[n, v] = 1` iff v is in `ids[n, :]`, cw the
-class weight and pw the pos weight (each 1 when None):
-
-    zs[n, v]     = -z if y else z             (the logit the element's loss is a softplus of)
-    wgt[n, v]    = cw[v] * (pw[v] if y else 1)
-    rows[n]      = sum_v wgt * softplus(zs)   (= sum_v cw * (pw softplus(-z) if y else softplus(z)))
-    predicted[n] = sum_v (z > 0),  hits[n] = sum_v y * (z > 0)              (unweighted, float32)
-    dz[n, v]     = g[n] * wgt * (-sigmoid(zs) if y else sigmoid(zs))        (g: upstream of rows)
-    d_hidden     = dz @ item_weight,  d_item_weight = dz^T @ hidden,  d_bias = sum_n dz
-
-Why in the tile: a background `sum_v cw softplus(z)` over all items followed by `-z` at each
-positive computes `softplus(-z) = softplus(z) - z` by cancellation. At a confident positive (z = 31)
-the row sum holds 31 and loses the true loss, 3.4e-14, in its rounding. Here each element costs one
-exp: `e = exp(-|z|)` (= exp(-|zs|)) gives `softplus(zs) = max(zs, 0) + log1p(e)` and
-`sigmoid(zs) = (1 if zs >= 0 else e) / (1 + e)`, both free of cancellation for either label.
-
-y of a tile: the rows' ids block `[block_n, L]` (int32; -1 in unused slots and padded rows, so it
-never equals a column index) is compared, slot by slot, with the tile's global column indices (an
-iota plus the tile's first column) and the L results OR-ed. L = 0 passes no ids at all (y = False).
-
-Three kernels (bodies in `pallas_kernels.py`, their `pallas_call`s in `pallas_calls.py`), each
-recomputing its logits tile with one MXU matmul into a `[block_n, block_v]` f32 VMEM scratch and
-then walking it in strips of 8 rows for the elementwise work (targets, softplus or sigmoid,
-weights), so that the VMEM of the temporaries does not grow with L (README.md has the grids, bytes
-moved and VMEM use):
-- forward, grid (token tiles "parallel", item tiles "arbitrary"): per-row sums accumulate in output
-  blocks that stay resident across the item axis;
-- d_hidden, same grid: the `[block_n, D]` f32 output block accumulates `(dz / g) @ W`; g is applied
-  afterwards (it is constant along the reduction). Since dz / g does not depend on g, the same
-  kernel can also accumulate the forward's rows and counts from the same tile: that is
-  `pallas_background_value_and_grad`, the one-pass gradient of the scalar reductions (g known up
-  front): 4 `N x V x D` matmul passes instead of forward + backward's 5;
-- d_item_weight and d_bias, grid (item tiles "parallel", token tiles "arbitrary"): an f32 block
-  resident across the token axis accumulates the tile's `dz^T @ hidden`, written once in the
-  table's dtype.
-No `[v_tiles, N, D]` partial sums reach HBM (the reference backward's flaw).
-
-The table's layout: where XLA stores a `[V, D]` table with V in lanes (TPU does so when D is no
-multiple of 128, to avoid padding D to 128 lanes), the kernels take `item_weight.T` `[D, V]`, a
-free bitcast of that storage, and give back d_item_weight as `[D, V]` too; otherwise they take
-`[V, D]` as is (`_items_in_lanes`). Either way no table-sized copy and no f32 table-sized
-gradient reaches HBM: the compiled training step's HBM temp at V 876,939, D 64, bf16 on v5e went
-from 642.6 MiB to 0 (benchmarks/results/tpu_temp_before_after.md).
-
-Ragged shapes: N is zero-padded to a tile multiple in the launcher (hidden rows are cheap to copy;
-padded rows get ids -1 and g = 0, so they add nothing). The item table is never copied: the last
-item tile reads past V, Pallas fills that part of the block with unspecified values (NaN in
-interpret mode), and the kernels mask those columns wherever they are summed over; outputs past V
-are dropped. Ids are < V, so y is False in those columns. D is never padded: the blocks span it.
-
-Focal CutBCE (`focal`, static): softplus(zs) and sigmoid(zs) above become the focal `term(zs)`
-and its derivative (jax_kernels/focal.py, `positives.focal_terms`: one more exp per element), and
-with class balancing wgt is also multiplied by alpha at a positive and 1 - alpha elsewhere. The
-masked columns past V (z = -1e30) give term = term' = 0 exactly there too. The strips' temporaries
-grow by a few `[8, bv]` values, which the VMEM model's full-tile terms already cover.
-
-Mode selection (`pallas_calls.on_platform`): `jax.lax.platform_dependent` picks the Mosaic kernel
-when the computation is lowered for TPU and the same kernel under `interpret=True` otherwise, so an
-export for TPU from a CPU host contains `tpu_custom_call` and a CPU `jit` runs the interpreter.
+Each kernel compares the tile's columns with its rows' ids and evaluates each element on its own
+branch inside the tile (docs/design.md, 'How each engine stays exact'); nothing is corrected
+afterwards. These launchers check dtypes, pad N to a tile multiple (the table is never copied:
+columns past V are masked in the kernels), choose the table's layout (`_items_in_lanes`) and sum
+the lane partials. The formulas, grids, VMEM use, ragged shapes and the interpret / Mosaic choice:
+jax_kernels/README.md; the layout's HBM saving: benchmarks/NOTES.md section 8.
 """
 
 from __future__ import annotations
@@ -104,14 +48,11 @@ def _check_inputs(hidden, item_weight, bias, class_weight, pos_weight, ids):
 def _items_in_lanes(d):
     """Whether the kernels take the item table as `[D, V]` (items along lanes) rather than `[V, D]`.
 
-    XLA's TPU layout assignment stores a `[V, D]` array whose D is no multiple of 128 with V as
-    its minor (lane) dimension, layout `{0,1}`: D along lanes would be padded to 128 (D = 64: twice
-    the bytes). Measured with libtpu 0.0.20 for v5e and v6e: `{0,1}` for D = 8, 40, 64, 72, 96,
-    192 and `{1,0}` for D = 128, 256. A Pallas call takes row-major (`{1,0}`) operands, so a
-    `[V, D]` operand cost a lane-padded copy of the table (214 MiB at V 876,939, D 64, bf16) and
-    its gradient a copy back; `item_weight.T` of a `{0,1}` array is a free bitcast to a row-major
-    `[D, V]`, and so is the `[D, V]` gradient's `.T` into a `{0,1}` output. Off TPU (the
-    interpreter) either form is correct, and the same rule keeps both tested.
+    XLA on TPU stores a `[V, D]` array whose D is no multiple of 128 with V along lanes (layout
+    `{0,1}`); a Pallas call takes row-major operands, so a `[V, D]` operand would cost a lane-padded
+    copy of the table and of its gradient, while `item_weight.T` of a `{0,1}` array (and the `[D, V]`
+    gradient's `.T`) is a free bitcast. The layouts measured and the HBM saved: benchmarks/NOTES.md
+    section 8. Off TPU (the interpreter) either form is correct, and the same rule keeps both tested.
     """
     return d % LANES != 0
 
@@ -151,7 +92,7 @@ def pallas_background_forward(
     block_sizes: BlockSizes | None = None,
     focal: Focal | None = None,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
-    """Exact per-row loss, without materializing `[N, V]` logits (formulas: module docstring).
+    """Exact per-row loss, without materializing `[N, V]` logits (formulas: jax_kernels/README.md).
 
     Args:
         hidden: `[N, D]` float32 or bfloat16.

@@ -36,12 +36,8 @@ _STRIP = 8
 
 def _precision(dtype):
     # f32 inputs ask for the f32-exact MXU mode (6 bf16 passes): the f32 path exists for accuracy.
-    # DEFAULT would be one bf16 pass (XLA's default for f32 dots on TPU, and the seed's): rows
-    # 1.4e-4 to 5.6e-4 relative off, 14-56x the README's float32 bound (emulated on CPU). Mosaic
-    # offers no 3-pass HIGH (jax 0.7.1: "Unsupported dot precision"), and 3 passes would leave a
-    # ~1e-4 logit error, relative error on a confident positive's loss. Cost, compiled for v5e at
-    # N 1000, V 100,000, D 256: 3.0 s and 1.95 MiB of code vs 0.8 s and 0.58 MiB for DEFAULT
-    # (benchmarks/NOTES.md section 8).
+    # DEFAULT (one bf16 pass) misses the float32 bound many times over, and Mosaic offers no 3-pass
+    # HIGH; the errors and the compile cost of each: benchmarks/NOTES.md section 8.
     # bf16 inputs are exact products on the MXU already; f32 accumulation comes from
     # preferred_element_type.
     return lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT

@@ -79,9 +79,8 @@ def focal_terms(u, e, tail, gamma: float):
         sigmoid(u)^gamma = exp(-gamma * tail - f * max(-u, 0)) * (e if u < 0 else 1)^k
 
     `exp(-gamma * softplus(-u))` taken at once carries the rounding of `gamma * |u|` into the
-    result; here e^k is k roundings and `f * |u|` has f < 1. Measured in float32 against float64
-    over u in [-80, 80] (terms above 1e-30): 4.9e-7 relative at gamma 3 (at once: 3.4e-6), 1.3e-6
-    at gamma 2.7 (3.8e-6), the derivative alike. gamma is a static Python float
+    result; here e^k is k roundings and `f * |u|` has f < 1 (the errors of both forms:
+    benchmarks/NOTES.md section 11). gamma is a static Python float
     (`gamma = 0` never comes here: the plain code runs for it, see core.CutBCEConfig); the same
     code runs in the blocked loop (float32/float64) and inside the Pallas kernels (float32).
     """

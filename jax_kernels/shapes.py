@@ -53,6 +53,38 @@ def check_block_v(block_v) -> int | None:
     return int(block_v)
 
 
+def check_largest_id(largest: int, num_items: int) -> None:
+    """The ids >= V rule for both frameworks, given the largest id (callers read it where no sync is needed)."""
+    if largest >= num_items:
+        raise ValueError(f"targets holds item id {largest}, but item_weight has only V={num_items} items (ids must be < V)")
+
+
+AxisName = str | tuple[str, ...] | None
+
+
+def mesh_axis_names(axis: AxisName) -> tuple[str, ...]:
+    """A `vocab_axis` / `data_axis` (a name, a tuple of names, or None) as a tuple of names."""
+    if axis is None:
+        return ()
+    return (axis,) if isinstance(axis, str) else tuple(axis)
+
+
+def check_mesh_axes(mesh_axes, vocab_axis: AxisName, data_axis: AxisName) -> None:
+    """`vocab_axis` and `data_axis` name axes of a mesh with axes `mesh_axes` (JAX's or torch_xla's), none shared."""
+    for label, axis in (("vocab_axis", vocab_axis), ("data_axis", data_axis)):
+        for name in mesh_axis_names(axis):
+            if name not in mesh_axes:
+                raise ValueError(
+                    f"{label}={axis!r} is not an axis of the mesh (axes {tuple(mesh_axes)}); "
+                    f"pass {label}=None if nothing is sharded that way"
+                )
+    shared = set(mesh_axis_names(vocab_axis)) & set(mesh_axis_names(data_axis))
+    if shared:
+        # The backward psums d_hidden over the vocab axis and d_item_weight over the data axis; one
+        # axis cannot be both (a position block and an item slice would be split the same way).
+        raise ValueError(f"vocab_axis={vocab_axis!r} and data_axis={data_axis!r} share mesh axes {sorted(shared)}")
+
+
 def _check_float(name: str, spec: ArraySpec) -> None:
     if spec.dtype_name not in FLOAT_DTYPES:
         raise TypeError(

@@ -1,43 +1,14 @@
-"""CutBCE on a device mesh: the item table sharded along V, the positions along a data axis.
+"""CutBCE on a device mesh: the item table split along V, the positions along a data axis.
 
-Each device runs the single-device kernels (`core.cut_bce_forward` / `cut_bce_backward`, blocked or
-Pallas) on its own block of positions against its own slice of the table, inside `jax.shard_map`.
-The math needs no other change, because the loss is a sum over items: shard s owns items
-`[offset, offset + V_local)` with `offset = s * V_local`, and
-
-    row[n] = sum_s sum_{v in shard s} l[n, v]
-
-Each shard works on local ids `targets - offset`; `positives.positive_ids` drops ids outside
-`[0, V_local)`, so each positive is a positive on exactly one shard. Likewise the counts (TP and
-FN from the tiles' positives, FP and TN from the local count of z > 0) add up over shards.
-
-Collectives, all outside the tile loop (a constant number per call, whatever V / block_v is):
-- forward: one psum over the vocab axis of the rows and the counts, stacked into one array;
-- backward: one psum of `d_hidden` over the vocab axis (every shard holds a partial sum over its
-  items) and one psum of `(d_item_weight, d_bias)` over the data axis (the table is replicated
-  over it, so each replica holds the gradient of its own positions only). `d_item_weight` stays
-  sharded along V: no gather of the table, ever;
-- the reduction of the loss over positions (outside shard_map; XLA adds one all-reduce when the
-  rows are sharded over the data axis).
-
-The scalar reductions ('mean', 'sum') know each row's gradient before the forward, so their
-gradient runs `core.cut_bce_value_and_grad` on every shard, one pass over the local tiles fewer
-(`sharded_weighted_sum`, the mesh twin of `core.cut_bce_weighted_sum`), with the same three psums
-in one shard_map; the backward rule only scales the saved gradients.
-
-Uneven sizes are padded here and the padding is made inert: items up to a multiple of the vocab
-shard count (zero rows, zero bias and class weight 0: a padded item has z = 0 and would otherwise add
-softplus(0) = log 2 (focal: 0.5^gamma log 2) to every row and a TN to the counts, so its class
-weight is 0 and the TN count is corrected), positions up to a multiple of the data shard count
-(their rows are sliced off, so their upstream gradient is 0 and they add nothing to any gradient). 'mean' divides by the global N x V.
-For the best step time choose V divisible by the vocab shard count (pad the table at model set-up):
-then no copy of the table is made.
-
-`sharded_forward` / `sharded_backward` / `sharded_value_and_grad` are module-level twins of
-`core.cut_bce_forward` / `cut_bce_backward` / `cut_bce_value_and_grad` (same arguments plus a
-static `layout`), used by the custom_vjps here and fit for
-torch_xla's `call_jax`: under torch_xla SPMD the shard_map lowers to manual-sharding annotations that
-the torch_xla graph's SPMD partitioner honours, and an `AbstractMesh` is enough to lower it.
+Inside `jax.shard_map` every device runs the single-device engines (`core`, blocked or Pallas) on
+its positions and its slice of the table, with ids shifted into the slice, so each positive is
+taken out on exactly one shard (docs/design.md, 'How each engine stays exact'). The rows and counts
+are psummed over the vocab axis, `d_hidden` too, and the table's gradients over the data axis:
+a constant number of collectives per call, outside the tile loop; the table is never gathered.
+Uneven sizes are padded here and made inert. `sharded_forward` / `sharded_backward` /
+`sharded_value_and_grad` mirror `core`'s functions (plus a static `layout`) for torch_xla's
+`call_jax`, which lowers them over an `AbstractMesh`. Usage, padding and checks:
+examples/sharded_note.md; the one-pass collectives: benchmarks/NOTES.md section 9.
 """
 
 from __future__ import annotations
@@ -52,7 +23,6 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_kernels.arguments import prepare
 from jax_kernels.core import (
     CutBCEConfig,
     cut_bce_backward,
@@ -61,11 +31,8 @@ from jax_kernels.core import (
     weighted_sum_and_residuals,
     weighted_sum_cotangents,
 )
-from jax_kernels.focal import check_focal
-from jax_kernels.reduction import reduce_rows, scalar_row_weight
-from jax_kernels.shapes import choose_impl, default_block_v
-
-AxisName = str | tuple[str, ...] | None
+from jax_kernels.reduction import finish
+from jax_kernels.shapes import AxisName, check_mesh_axes, choose_impl, mesh_axis_names, tile_width
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +56,7 @@ class ShardedLayout:
     num_items: int | None = None
 
     def __post_init__(self):
-        _check_axes(self.mesh, self.vocab_axis, self.data_axis)
+        check_mesh_axes(self.mesh.axis_names, self.vocab_axis, self.data_axis)
 
     @property
     def vocab_shards(self) -> int:
@@ -100,30 +67,9 @@ class ShardedLayout:
         return axis_size(self.mesh, self.data_axis)
 
 
-def _names(axis: AxisName) -> tuple[str, ...]:
-    if axis is None:
-        return ()
-    return (axis,) if isinstance(axis, str) else tuple(axis)
-
-
 def axis_size(mesh, axis: AxisName) -> int:
     """Number of shards along `axis` (a name, a tuple of names, or None -> 1)."""
-    return math.prod(mesh.shape[name] for name in _names(axis))
-
-
-def _check_axes(mesh, vocab_axis: AxisName, data_axis: AxisName) -> None:
-    for label, axis in (("vocab_axis", vocab_axis), ("data_axis", data_axis)):
-        for name in _names(axis):
-            if name not in mesh.axis_names:
-                raise ValueError(
-                    f"{label}={axis!r} is not an axis of the mesh (axes {tuple(mesh.axis_names)}); "
-                    f"pass {label}=None if nothing is sharded that way"
-                )
-    shared = set(_names(vocab_axis)) & set(_names(data_axis))
-    if shared:
-        # The backward psums d_hidden over the vocab axis and d_item_weight over the data axis; one
-        # axis cannot be both (a position block and an item slice would be split the same way).
-        raise ValueError(f"vocab_axis={vocab_axis!r} and data_axis={data_axis!r} share mesh axes {sorted(shared)}")
+    return math.prod(mesh.shape[name] for name in mesh_axis_names(axis))
 
 
 def abstract_layout(mesh_shape, axis_names, vocab_axis: AxisName, data_axis: AxisName, config: CutBCEConfig):
@@ -370,74 +316,33 @@ def _weighted_sum_bwd(layout, residuals, cotangents):
 sharded_weighted_sum.defvjp(_weighted_sum_fwd, _weighted_sum_bwd)
 
 
-def cut_bce_sharded(
-    hidden,
-    item_weight,
-    targets,
-    bias=None,
-    *,
-    mesh=None,
-    vocab_axis: AxisName = "model",
-    data_axis: AxisName = "data",
-    weight=None,
-    class_weight=None,
-    pos_weight=None,
-    reduction: str = "mean",
-    return_metrics: bool = False,
-    block_v: int | None = None,
-    impl: str = "auto",
-    block_sizes=None,
-    num_items: int | None = None,
-    focal=None,
-):
-    """`jax_kernels.cut_bce` with the item table split along V and the positions split over a mesh.
+def sharded_loss(size, a, *, mesh, vocab_axis: AxisName, data_axis: AxisName, reduction: str,
+                 return_metrics: bool, impl: str, block_sizes, focal, num_items: int | None):
+    """The loss of `jax_kernels.cut_bce(..., mesh=)` on arguments its `prepare` has checked.
 
-    Same loss, gradients and metrics as the single-device `jax_kernels.cut_bce` (the formula is in
-    `jax_kernels/reference.py`); each device loops only over its own `V / vocab_shards` items, and
-    the collectives are a constant few per call (module docstring). Works eagerly and under `jit`.
-
-    Args:
-      hidden, item_weight, targets, bias, weight, class_weight, pos_weight, reduction,
-        return_metrics, impl, block_sizes, focal: as in `jax_kernels.cut_bce`.
-      mesh: the `jax.sharding.Mesh`. None: inferred (`infer_mesh`) from a concrete input's
-        `NamedSharding`, from a traced input's abstract mesh, or from `jax.set_mesh`. Axis names are
-        never inferred (under `jit` JAX does not report the spec): they come from the two below.
-      vocab_axis: mesh axis name (or tuple of names) that splits the item table along V; None
-        keeps the table whole on every device (pure data parallelism).
-      data_axis: mesh axis name (or tuple) that splits the N positions; None replicates them.
-        Must not share an axis with vocab_axis. Mesh axes named by neither see replicated work.
-      block_v: vocabulary tile of each device's local loop (default: a 16 MiB float32 tile of the
-        local shapes, at most V / vocab_shards).
-      num_items: the catalog size V when `item_weight` has padding rows after it. A table held
-        sharded in JAX must have a row count divisible by the vocab shards (`NamedSharding` requires
-        it), so a catalog of 876,939 items on 4 shards is held as 876,940 rows with num_items=876939:
-        the extra rows are ignored (no loss, zero gradient, not counted), 'mean' divides by N x
-        num_items, and ids >= num_items are errors. None: every row is an item. A table passed
-        whole (not sharded) may have any V; it is padded inside.
-
-    Returns:
-      The loss, or `(loss, (tp, fp, fn, tn))`, as `jax_kernels.cut_bce`. Gradients of item_weight and
-      bias keep the table's sharding along V.
+    Each device loops over its own `V / vocab_shards` items and `N / data_shards` positions; the
+    collectives are a constant few per call. `mesh='infer'`: from a concrete input's
+    `NamedSharding`, a traced input's abstract mesh, or `jax.set_mesh` (`infer_mesh`); axis names
+    are never inferred. `num_items`: the catalog when the table has padding rows after it
+    (a table sharded along V needs a row count the shards divide). Rules: docs/design.md, 'The API'.
     """
-    focal = check_focal(focal)
-    size, a = prepare(hidden, item_weight, targets, bias, weight, class_weight, pos_weight,
-                      reduction=reduction, block_v=block_v, num_items=num_items)
     hidden, item_weight, targets, bias = a["hidden"], a["item_weight"], a["targets"], a["bias"]
     weight, class_weight, pos_weight = a["weight"], a["class_weight"], a["pos_weight"]
     block_v = size.block_v
     catalog = size.num_items if num_items is None else num_items
-    if mesh is None:
+    if isinstance(mesh, str):
         mesh = infer_mesh(item_weight, hidden)
         if mesh is None:
             raise ValueError(
-                "no mesh: pass mesh=, put the inputs on a NamedSharding, or call inside jax.set_mesh(mesh)"
+                "mesh='infer' found no mesh: put the inputs on a NamedSharding, call inside "
+                "jax.set_mesh(mesh), or pass mesh="
             )
-    _check_axes(mesh, vocab_axis, data_axis)
+    check_mesh_axes(mesh.axis_names, vocab_axis, data_axis)
     n = size.num_positions
     local_n = -(-n // axis_size(mesh, data_axis))
     local_items = -(-size.num_items // axis_size(mesh, vocab_axis))
     config = CutBCEConfig(
-        block_v=min(block_v or default_block_v(local_n, local_items), local_items),
+        block_v=tile_width(block_v, local_n, local_items),
         compute_metrics=return_metrics,
         impl=choose_impl(impl, jnp.dtype(hidden.dtype).name, jax.default_backend() == "tpu"),
         block_sizes=block_sizes,
@@ -452,19 +357,5 @@ def cut_bce_sharded(
         None if class_weight is None else lax.stop_gradient(class_weight),
         None if pos_weight is None else lax.stop_gradient(pos_weight),
     )
-    if reduction != "none" and n > 0:
-        # A scalar loss: the gradients computed during the forward, on every shard.
-        row_weight = scalar_row_weight(weight, reduction, n, catalog, hidden.dtype)
-        loss, counts = sharded_weighted_sum(layout, *operands, row_weight)
-    else:
-        rows, counts = sharded_rows(layout, *operands)
-        if weight is not None:
-            rows = rows * weight.reshape(n).astype(rows.dtype)
-        loss = reduce_rows(rows, reduction, catalog).reshape(size.lead_shape if reduction == "none" else ())
-    if weight is not None:
-        counts = counts * weight.reshape(1, n).astype(counts.dtype)
-    if not return_metrics:
-        return loss
-    if reduction == "none":
-        return loss, tuple(c.reshape(size.lead_shape) for c in counts)
-    return loss, tuple(counts.sum(-1))
+    return finish(functools.partial(sharded_rows, layout), functools.partial(sharded_weighted_sum, layout),
+                  operands, weight, reduction, size.lead_shape, catalog, return_metrics)

@@ -1,19 +1,78 @@
 """Compile JAX functions for a TPU chip on a host without one (libtpu's compile-only client).
 
-Used only by the compile-only checks (tests/test_tpu_compile.py, benchmarks/tpu_compile_matrix.py),
-in processes that put `.venv/libtpu-overlay` (ci/setup.sh) on PYTHONPATH; the library never imports
-this module. Importing it changes nothing: `pin_mosaic_version()` is the only patch, and the caller
-applies it. Recipe and measurements: /work/shared/reference/TOOLCHAIN.md section 8.
+Used only by the compile-only checks (tests/test_l2_tpu_*.py, benchmarks/tpu_compile_matrix.py,
+tpu_hbm.py, tpu_torch_step.py): the parent process builds a child's environment (`child_env`) and
+reads its result (`run_child`); the child, with `.venv/libtpu-overlay` (ci/setup.sh) on PYTHONPATH,
+compiles (`compile_for`). The library never imports this module. Importing it changes nothing:
+`pin_mosaic_version()` is the only patch, and the caller applies it. Recipe and measurements:
+/work/shared/reference/TOOLCHAIN.md section 8.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
 import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OVERLAY = ROOT / ".venv" / "libtpu-overlay"
 
 # Smallest topology libtpu accepts for each chip (v5e and v6e refuse "1x1": their hosts hold 2x2).
 TOPOLOGIES = {"v4": "v4:2x2x1", "v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
 MOSAIC_VERSION = 7
+
+
+def overlay_ready() -> bool:
+    """Whether `.venv/libtpu-overlay` (libtpu for the compile-only client, built by ci/setup.sh) exists."""
+    return (OVERLAY / "libtpu").is_dir()
+
+
+def require_overlay() -> None:
+    """Exit with a message naming the missing overlay (a benchmark's first step)."""
+    if not overlay_ready():
+        raise SystemExit(f"{OVERLAY} is missing: run ci/setup.sh")
+
+
+def child_env(*paths, libtpu: bool = True, **variables) -> dict:
+    """The environment of a child process: the repository root and `paths` on PYTHONPATH, and with
+    `libtpu` the overlay first, with libtpu's lockfile check off (a compile-only client guards no
+    chip, and a second compile-only process on the host would otherwise fail to start). JAX_PLATFORMS
+    is dropped, so the child's JAX finds the TPU plugin; `variables` are set as given."""
+    entries = ([str(OVERLAY)] if libtpu else []) + [str(ROOT)] + [str(p) for p in paths]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(entries), **variables)
+    if libtpu:
+        env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
+    env.pop("JAX_PLATFORMS", None)
+    return env
+
+
+RESULT_PREFIX = "RESULT "
+TIMEOUT_PREFIX = "no result within"  # how `run_child`'s error for a timeout starts
+
+
+def print_result(result: dict) -> None:
+    """Child side: hand `result` (JSON-able) to `run_child` as the last line of stdout."""
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def run_child(cmd, env: dict, timeout_s: float, *, stderr_tail: int = 1000, require_exit_zero: bool = False):
+    """Parent side: run `cmd` and read the dict of its last `print_result` line.
+
+    Returns `(result, None)`, or `(None, error)` on a timeout, no result line, or (with
+    `require_exit_zero`) a non-zero exit. A child that printed its result and then died on the way
+    out (libtpu's teardown) still counts unless `require_exit_zero`.
+    """
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return None, f"{TIMEOUT_PREFIX} {timeout_s:g} s"
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    if not lines or (require_exit_zero and proc.returncode != 0):
+        return None, f"exit {proc.returncode}: {proc.stderr[-stderr_tail:]}"
+    return json.loads(lines[-1][len(RESULT_PREFIX):]), None
 
 
 def pin_mosaic_version(version: int = MOSAIC_VERSION) -> None:
@@ -35,20 +94,22 @@ def pin_mosaic_version(version: int = MOSAIC_VERSION) -> None:
 
 
 def topology(chip: str):
-    """The `jax.experimental.topologies` description of the smallest slice of `chip`.
+    """The `jax.experimental.topologies` description of the smallest slice of `chip`, or of a named
+    slice such as "v6e:2x4".
 
     Args:
-        chip: 'v4', 'v5e', 'v5p' or 'v6e'. libtpu 0.0.20 does not know v7 ("Invalid TPU external
-            name: TPU v7"), so it is not offered.
+        chip: 'v4', 'v5e', 'v5p' or 'v6e', or a topology name `<chip>:<shape>` of one of them.
+            libtpu 0.0.20 does not know v7 ("Invalid TPU external name: TPU v7"), so it is not offered.
 
     Raises:
         ValueError: for another chip name.
     """
-    if chip not in TOPOLOGIES:
-        raise ValueError(f"chip must be one of {sorted(TOPOLOGIES)}, got {chip=}")
+    name = TOPOLOGIES.get(chip, chip)
+    if name.split(":")[0] not in TOPOLOGIES or ":" not in name:
+        raise ValueError(f"chip must be one of {sorted(TOPOLOGIES)} or '<chip>:<shape>' of one, got {chip=}")
     from jax.experimental import topologies
 
-    return topologies.get_topology_desc(topology_name=TOPOLOGIES[chip], platform="tpu")
+    return topologies.get_topology_desc(topology_name=name, platform="tpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,10 +124,20 @@ class CompileResult:
     output_bytes: int | None = None
     temp_bytes: int | None = None
     code_bytes: int | None = None
+    alias_bytes: int | None = None
+    xla_peak_bytes: int | None = None  # XLA's peak_memory_in_bytes (counts VMEM buffers too)
 
     @property
     def ok(self) -> bool:
         return self.error is None
+
+
+def memory_bytes(stats) -> dict:
+    """The byte counts of a compiled program's memory statistics (`memory_analysis()` or
+    `get_compiled_memory_stats()`), named as `CompileResult` names them."""
+    return dict(argument_bytes=stats.argument_size_in_bytes, output_bytes=stats.output_size_in_bytes,
+                temp_bytes=stats.temp_size_in_bytes, code_bytes=stats.generated_code_size_in_bytes,
+                alias_bytes=stats.alias_size_in_bytes)
 
 
 def shape_dtype_struct(chip_topology, shape, dtype):
@@ -82,10 +153,11 @@ def compile_for(chip: str, fn, *structs, keep_text: bool = False):
     """Lower and compile `jax.jit(fn)` for `chip` with inputs `structs`; never raises for a failed compile.
 
     Args:
-        chip: as in `topology`.
+        chip: as in `topology` (a chip or a topology name; only tuples in `structs` need it).
         fn: the function to jit; its static options bound already (e.g. `functools.partial`).
         structs: one `jax.ShapeDtypeStruct` (or None) per positional argument, plain `(shape, dtype)`
-            tuples are placed on the chip here; None passes through as None.
+            tuples are placed on the chip's first device here; None passes through as None. A
+            struct with a sharding over several devices compiles an SPMD program (statistics per chip).
         keep_text: also return the optimized HLO text (`compiled.as_text()`): `(result, text)`.
 
     Returns:
@@ -93,7 +165,7 @@ def compile_for(chip: str, fn, *structs, keep_text: bool = False):
     """
     import jax
 
-    topo = topology(chip)
+    topo = topology(chip) if any(isinstance(s, tuple) for s in structs) else None
     args = [shape_dtype_struct(topo, *s) if isinstance(s, tuple) else s for s in structs]
     start = time.perf_counter()
     text = None
@@ -105,9 +177,6 @@ def compile_for(chip: str, fn, *structs, keep_text: bool = False):
     except Exception as e:  # noqa: BLE001: any compile failure is a result to report, not a crash
         result = CompileResult(chip, f"{type(e).__name__}: {e}", time.perf_counter() - start)
     else:
-        result = CompileResult(
-            chip, None, time.perf_counter() - start,
-            argument_bytes=stats.argument_size_in_bytes, output_bytes=stats.output_size_in_bytes,
-            temp_bytes=stats.temp_size_in_bytes, code_bytes=stats.generated_code_size_in_bytes,
-        )
+        result = CompileResult(chip, None, time.perf_counter() - start, xla_peak_bytes=stats.peak_memory_in_bytes,
+                               **memory_bytes(stats))
     return (result, text) if keep_text else result

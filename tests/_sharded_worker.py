@@ -1,9 +1,9 @@
-"""Subprocess side of tests/test_sharded_jax.py: runs on 8 simulated CPU devices.
+"""Subprocess side of tests/test_l3_sharded_jax.py: runs on 8 simulated CPU devices.
 
 JAX fixes its device count when its CPU backend starts, and the pytest process may already have
 started it with one device, so the multi-device checks run here, in a fresh interpreter launched as
 `python tests/_sharded_worker.py OUT.json` (XLA_FLAGS is set before jax is imported). Every case
-compares `jax_kernels.sharded.cut_bce_sharded` with the single-device `jax_kernels.cut_bce` on the
+compares `jax_kernels.cut_bce(..., mesh=)` with the single-device `jax_kernels.cut_bce` on the
 same float32 inputs and writes the relative errors (max |sharded - single| / max |single|, from
 parity.relative_error) to OUT.json; the test asserts on them. Importing this module only defines
 the case tables.
@@ -115,7 +115,6 @@ def run_cases(names):
     import numpy as np
 
     import jax_kernels
-    from jax_kernels.sharded import cut_bce_sharded
     from parity import relative_error
 
     results, references = {}, {}
@@ -128,7 +127,7 @@ def run_cases(names):
         reference = references[key]
         start = time.perf_counter()
         mesh = jax.make_mesh(case["mesh"], case["axes"])
-        fn = functools.partial(cut_bce_sharded, mesh=mesh, vocab_axis=case["vocab_axis"], data_axis=case["data_axis"])
+        fn = functools.partial(jax_kernels.cut_bce, mesh=mesh, vocab_axis=case["vocab_axis"], data_axis=case["data_axis"])
         if case["pad_rows"]:
             inputs = _with_garbage_rows(inputs, case["pad_rows"])
             fn = functools.partial(fn, num_items=case["num_items"])
@@ -173,14 +172,14 @@ def run_inference():
     import jax
 
     import jax_kernels
-    from jax_kernels.sharded import cut_bce_sharded, infer_mesh
+    from jax_kernels.sharded import infer_mesh
     from parity import relative_error
 
     mesh = jax.make_mesh((2, 4), ("data", "model"))
     inputs = make_inputs((4, 12), 304)
     placed = _placed(mesh, inputs)
     args = (placed["hidden"], placed["item_weight"], placed["targets"], placed["bias"])
-    grad_fn = jax.jit(jax.value_and_grad(lambda h, e, t, b: cut_bce_sharded(h, e, t, b, block_v=BLOCK_V), (0, 1)))
+    grad_fn = jax.jit(jax.value_and_grad(lambda h, e, t, b: jax_kernels.cut_bce(h, e, t, b, block_v=BLOCK_V, mesh="infer"), (0, 1)))
     loss, (d_hidden, d_items) = grad_fn(*args)
     reference = jax.value_and_grad(
         lambda h, e: jax_kernels.cut_bce(h, e, inputs["targets"], inputs["bias"], block_v=BLOCK_V, impl="blocked"), (0, 1)
@@ -228,7 +227,7 @@ def run_hlo():
     """Collective counts of the compiled forward + backward for each block_v, and where they are."""
     import jax
 
-    from jax_kernels.sharded import cut_bce_sharded
+    from jax_kernels import cut_bce
 
     mesh = jax.make_mesh((2, 4), ("data", "model"))
     inputs = make_inputs((4, 16), 4096)
@@ -236,7 +235,7 @@ def run_hlo():
     out = {}
     for block_v in HLO_BLOCKS:
         def loss(hidden, items, bias, targets, block_v=block_v):
-            value, metrics = cut_bce_sharded(hidden, items, targets, bias, mesh=mesh, block_v=block_v, return_metrics=True)
+            value, metrics = cut_bce(hidden, items, targets, bias, mesh=mesh, block_v=block_v, return_metrics=True)
             return value, metrics
 
         step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
@@ -266,7 +265,7 @@ def run_tpu_export():
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jax_kernels.sharded import cut_bce_sharded
+    from jax_kernels import cut_bce
 
     mesh = jax.make_mesh((2, 4), ("data", "model"))
     sds = lambda shape, dtype, spec: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
@@ -275,8 +274,8 @@ def run_tpu_export():
         rows = -(-num_items // 4) * 4  # a table held sharded must divide: 876,939 items in 876,940 rows
 
         def loss(hidden, items, targets, bias, num_items=num_items):
-            return cut_bce_sharded(hidden, items, targets, bias, mesh=mesh, impl="pallas", return_metrics=True,
-                                   num_items=num_items)
+            return cut_bce(hidden, items, targets, bias, mesh=mesh, impl="pallas", return_metrics=True,
+                           num_items=num_items)
 
         step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 3), has_aux=True))
         exported = export.export(step, platforms=["tpu"])(

@@ -1,9 +1,9 @@
-"""Subprocess side of tests/test_sharded_torch.py: torch_xla SPMD on 4 CPU devices.
+"""Subprocess side of tests/test_l3_sharded_torch.py: torch_xla SPMD on 4 CPU devices.
 
 Run as `python tests/_sharded_xla_worker.py OUT.json DUMP_DIR` with PJRT_DEVICE=CPU,
 CPU_NUM_DEVICES=4 and XLA_FLAGS="--xla_dump_to=DUMP_DIR --xla_dump_hlo_as_text" (set by the test:
 `use_spmd()` must run before any XLA tensor exists, and the dump is how the partitioned program is
-read back). Two things are measured against the native CPU path, with the table marked sharded
+read back). Three things are measured against the native CPU path, with the table marked sharded
 along V and the positions along 'data':
 
 - `plain`: the existing bridge (`cut_bce_with_logits(backend='xla')`) unchanged. Its `call_jax`
@@ -13,6 +13,9 @@ along V and the positions along 'data':
   shard_map over an `AbstractMesh` of the same shape. Its manual-sharding annotations survive into
   the torch_xla graph, so each device loops over its own V / shards rows and the collectives are
   the shard_map's psums.
+- `one_pass`: `cut_bce_with_logits(mesh=)` itself on a 2 x 2 mesh, every option on, per reduction:
+  its results (the test compares them with the float64 oracle) and the partitioned program's
+  facts ('mean' / 'sum': the one-pass op, one tile loop; 'none': forward and backward loops).
 
 For each case the report holds relative errors (rows, counts, gradients of `sum(rows * g)` for a
 random g) and facts read from the partitioned HLO. The custom ops below are the code proposed for
@@ -117,6 +120,7 @@ def _hlo_facts(dump_dir):
     # A while loop's carried tuple type lists every array the loop reads, the table slice included.
     carried = " ".join(line.split(" while(")[0] for line in text.splitlines() if " while(" in line)
     return {"modules": len(texts), "collectives": {k: kinds.count(k) for k in sorted(set(kinds))},
+            "while_loops": len(re.findall(r" while\(", text)),
             "gathered_shapes": sorted(set(gathers)), "loop_shapes": sorted(set(re.findall(r"f32\[\d+,\d+\]", carried)))}
 
 
@@ -213,6 +217,46 @@ def _measure_without_bias(inputs):
                        "d_hidden": relative_error(hx.grad.cpu(), h.grad)[0]}}
 
 
+# cut_bce_with_logits(mesh=) on a 2 x 2 mesh, every option on: 'mean' / 'sum' take the one-pass op
+# (cutbce::xla_weighted_sum over sharded_value_and_grad), 'none' forward then backward.
+ONE_PASS = {"shape": (N, V, D, L), "seed": 5, "reductions": ("mean", "sum", "none")}
+
+
+def _measure_one_pass(dump_dir):
+    """Loss, metrics and gradients (wrt parity.GRADS, for parity.make_upstream) of each reduction,
+    for the test to compare with the float64 oracle, and the partitioned program's facts."""
+    import torch_cutbce as tc
+    from parity import GRADS, METRIC_NAMES, make_inputs, make_upstream, select
+
+    n, v, d, slots = ONE_PASS["shape"]
+    inputs = select(make_inputs((n,), v, d, slots, seed=ONE_PASS["seed"]), dtype="float32")
+    mesh = xs.Mesh(np.arange(4), (2, 2), ("data", "model"))
+    device = torch_xla.device()
+    report = {}
+    for reduction in ONE_PASS["reductions"]:
+        shutil.rmtree(dump_dir, ignore_errors=True)
+        t = {k: torch.tensor(x if k == "targets" else np.float32(x)).to(device) for k, x in inputs.items()}
+        for k in GRADS:
+            t[k].requires_grad_(True)
+        xs.mark_sharding(t["item_weight"], mesh, ("model", None))
+        for k in ("bias", "class_weight", "pos_weight"):
+            xs.mark_sharding(t[k], mesh, ("model",))
+        xs.mark_sharding(t["hidden"], mesh, ("data", None))
+        xs.mark_sharding(t["weight"], mesh, ("data",))
+        loss, metrics = tc.cut_bce_with_logits(
+            t["hidden"], t["item_weight"], t["targets"], t["bias"], weight=t["weight"],
+            class_weight=t["class_weight"], pos_weight=t["pos_weight"], reduction=reduction, return_metrics=True,
+            block_v=BLOCK_V, backend="xla_blocked", mesh=mesh, vocab_axis="model", data_axis="data",
+        )
+        upstream = torch.tensor(np.float32(make_upstream(reduction, (n,), seed=ONE_PASS["seed"], dtype="float32")))
+        grads = torch.autograd.grad(loss, [t[k] for k in GRADS], grad_outputs=upstream.to(device))
+        values = dict(zip(("loss", *METRIC_NAMES, *(f"d_{k}" for k in GRADS)), (loss, *metrics, *grads)))
+        torch_xla.sync()  # one program: forward and backward
+        report[reduction] = {"results": {k: x.detach().cpu().double().tolist() for k, x in values.items()},
+                             "hlo": _hlo_facts(dump_dir)}
+    return {"shape": ONE_PASS["shape"], "seed": ONE_PASS["seed"], **report}
+
+
 def main(out_path: str, dump_dir: str) -> None:
     xr.use_spmd()
     assert xr.global_runtime_device_count() == 4, xr.global_runtime_device_count()
@@ -233,6 +277,7 @@ def main(out_path: str, dump_dir: str) -> None:
         report[name] = _measure(rows_fn, mesh_shape, axis_names, inputs, reference, dump_dir, shards)
     report["train_2x2"] = _measure_training(dump_dir)
     report["no_bias_after_bias"] = _measure_without_bias(inputs)
+    report["one_pass"] = _measure_one_pass(dump_dir)
     with open(out_path, "w") as f:
         json.dump(report, f, indent=1)
 

@@ -1,8 +1,16 @@
-"""Test session set-up: float64 for JAX, the torch_xla device the bridge tests run on, and skips for
-what an install lacks.
+"""Test session set-up: the torch_xla device the bridge tests run on, and skips for what an install
+lacks.
 
-Nothing here imports torch_xla or jax at import time. `pytest_configure` runs before any test
-module is collected, so PJRT_DEVICE is in the environment before torch_xla is first imported.
+JAX runs with x64 off, its default and the configuration users run: float32 / bfloat16 cases and
+int64 ids (validated before JAX narrows them to int32) are tested as users see them. Each float64
+case switches x64 on locally (`parity.jax_x64(dtype)`, i.e. `jax.experimental.enable_x64`);
+the subprocess workers do the same.
+
+Nothing here imports torch_xla or jax at import time. `pytest_configure` sets PJRT_DEVICE, then
+imports torch_xla (where installed) before any test runs: torch's autograd engine sizes its
+per-device queues at the first backward, so an XLA backward after a CPU backward that ran before
+torch_xla was imported fails with an internal assert (a torch / torch_xla limitation users meet
+too: README, 'Cloud TPU'). Without this, which tests pass would depend on their order.
 
 The core install (`pip install torch-cutbce`: torch and numpy) runs every torch-only test; tests
 marked `jax` or `xla` skip, with the extra to install as the reason, where jax or torch_xla is
@@ -25,11 +33,11 @@ def installed(module: str) -> bool:
 
 def pytest_configure(config):
     os.environ.setdefault("PJRT_DEVICE", "CPU")
-    # The float64 rung of the parity ladder needs x64; without jax installed there is nothing to set.
-    if installed("jax"):
-        import jax
-
-        jax.config.update("jax_enable_x64", True)
+    # JAX's x64 mode stays off (JAX's default), whatever the shell says; float64 cases switch it on
+    # locally (parity.jax_x64). Subprocess workers inherit this environment.
+    os.environ.pop("JAX_ENABLE_X64", None)
+    if installed("torch_xla"):
+        import torch_xla  # noqa: F401  (before any backward: see the module docstring)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,5 +1,5 @@
 """The rows that cancelled before issue 11, as numpy inputs with their float64 truth (shared by
-tests/test_exact_rows.py and its worker, which runs the sharded JAX and vocab-parallel paths).
+tests/test_ladder_exact_rows.py and its worker, which runs the sharded JAX and vocab-parallel paths).
 
 - "confident": one positive at logit +z (z = 5, 10, 31, 50, 100) and 49 negatives at -10, the
   positive first or last in the catalog (two tiles / shards);
@@ -11,6 +11,8 @@ tests/test_exact_rows.py and its worker, which runs the sharded JAX and vocab-pa
 from __future__ import annotations
 
 import numpy as np
+
+from parity import TOLERANCES, assert_close
 
 CONFIDENT_LOGITS = (5.0, 10.0, 31.0, 50.0, 100.0)
 
@@ -57,11 +59,12 @@ def truth(case) -> dict[str, np.ndarray]:
 
 
 def check_rows(name, rows, truth_rows, dtype) -> None:
-    """Each row within 1e-5 (float32) / 1e-10 (float64) of the truth, relative to the row itself,
-    and never below zero (every truth here is >= 0). Below the dtype's smallest normal number a
-    value has no relative precision: there it must be within that number of the truth."""
+    """Each row within the dtype's tolerance (parity.TOLERANCES: 1e-5 float32, 1e-10 float64) of the
+    truth, relative to the row itself, and never below zero (every truth here is >= 0). Below the
+    dtype's smallest normal number a value has no relative precision: there it must be within that
+    number of the truth."""
     rows = np.asarray(rows, np.float64)
-    rtol = 1e-10 if dtype == "float64" else 1e-5
+    rtol = TOLERANCES[dtype]
     floor = np.finfo(np.float64 if dtype == "float64" else np.float32).tiny
     err = np.abs(rows - truth_rows)
     bad = ~(err <= rtol * np.abs(truth_rows) + floor) | (rows < 0)
@@ -72,9 +75,7 @@ def check_rows(name, rows, truth_rows, dtype) -> None:
 
 
 def check_grads(name, grads: dict, want: dict, dtype) -> None:
-    """Gradients: max |fast - truth| / max |truth| within the dtype's tolerance, per tensor."""
-    rtol = 1e-10 if dtype == "float64" else 1e-5
+    """Gradients: max |fast - truth| / max |truth| within the dtype's tolerance, per tensor
+    (parity.assert_close)."""
     for key, fast in grads.items():
-        fast, ref = np.asarray(fast, np.float64), want[key]
-        err = np.abs(fast - ref).max() / max(np.abs(ref).max(), 1e-30)
-        assert err <= rtol, f"{name}:{key} [{dtype}]: relative error {err:.3e}"
+        assert_close(fast, want[key], dtype=dtype, name=f"{name}:{key}")

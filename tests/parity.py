@@ -1,4 +1,5 @@
-"""The parity ladder's shared pieces: one `assert_close`, one tolerance table, the input generators.
+"""The parity ladder's shared pieces: one tolerance table (`TOLERANCES`) and its two checks
+(`assert_close`, `assert_exact_as_dense`), the input generators, and `jax_x64`.
 
 Framework-neutral: inputs are numpy float64 arrays whose values are already representable in the
 dtype under test (`select` rounds them), so the float64 oracle ("ground truth") sees exactly the
@@ -10,17 +11,21 @@ torch and jax are imported lazily, inside the adapters.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping
 
 import numpy as np
 
-# Relative error (max |fast - ref| / max |ref|) allowed per dtype. float64 and float32 compare the
-# fast path with the float64 oracle directly. bfloat16 follows Apple CCE's rule: the fast path's
-# error against float64 truth may exceed the dense reference's error in bfloat16 by at most this
-# (2e-3 ~ 2^-9, one bfloat16 rounding: the fast path returns its gradients in bfloat16).
-TOLERANCES = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 2e-3}
-DTYPES = tuple(TOLERANCES)
+# THE tolerance table of the parity ladder, used by `assert_close` and `assert_exact_as_dense`
+# alike: the relative error allowed per dtype. float64 and float32 compare the fast path with the
+# float64 oracle directly. The half dtypes (bfloat16; float16, torch only) follow Apple CCE's rule:
+# the fast path's error against the float64 truth may exceed the dense reference's error in that
+# dtype by at most this (2e-3 ~ 2^-9, one bfloat16 rounding: the fast path returns its gradients in
+# the half dtype). A test comparing with the oracle takes its bound from here, never a literal.
+TOLERANCES = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 2e-3, "float16": 2e-3}
+HALF_DTYPES = ("bfloat16", "float16")
+DTYPES = ("float64", "float32", "bfloat16")  # the dtypes every path takes (float16: torch only)
 REDUCTIONS = ("none", "sum", "mean")
 OPTIONAL = ("bias", "weight", "class_weight", "pos_weight")
 OPTION_SETS = {
@@ -43,8 +48,9 @@ def to_numpy(x) -> np.ndarray:
     return np.asarray(x, dtype=np.float64)
 
 
-def relative_error(fast, reference) -> tuple[float, tuple[int, ...]]:
-    """`(max |fast - reference| / max(max |finite reference|, tiny), index of the max)`.
+def relative_error(fast, reference, *, elementwise=False) -> tuple[float, tuple[int, ...]]:
+    """`(max |fast - reference| / max(max |finite reference|, tiny), index of the max)`; with
+    `elementwise`, `max |fast - reference| / max(|reference|, tiny)` (each entry on its own).
 
     Equal values (NaN and NaN, Inf and Inf included) differ by 0; NaN against a number is infinite.
     """
@@ -57,19 +63,27 @@ def relative_error(fast, reference) -> tuple[float, tuple[int, ...]]:
         diff = np.abs(fast - reference)
     same = (fast == reference) | (np.isnan(fast) & np.isnan(reference))  # equal infinities too
     diff = np.where(same, 0.0, np.where(np.isnan(diff), np.inf, diff))
+    if elementwise:
+        with np.errstate(invalid="ignore"):
+            diff = np.where(diff == 0, 0.0, diff / np.maximum(np.abs(reference), _TINY))
+        diff = np.where(np.isnan(diff), np.inf, diff)
+        index = np.unravel_index(int(np.argmax(diff)), diff.shape)
+        return float(diff[index]), tuple(int(i) for i in index)
     index = np.unravel_index(int(np.argmax(diff)), diff.shape)
     finite = np.abs(reference[np.isfinite(reference)])
     scale = max(float(finite.max()) if finite.size else 0.0, _TINY)
     return float(diff[index]) / scale, tuple(int(i) for i in index)
 
 
-def assert_close(fast, reference, truth=None, *, dtype: str, name: str) -> None:
+def assert_close(fast, reference, truth=None, *, dtype: str, name: str, elementwise: bool = False) -> None:
     """Asserts the parity rule for `dtype`; a mapping of results is checked key by key.
 
     float64 / float32: relative_error(fast, reference) <= TOLERANCES[dtype] (reference = the
-    float64 oracle; `truth`, if given, is only printed). bfloat16: `reference` is the dense
-    reference run in bfloat16 and `truth` the float64 oracle; the rule is
-    relative_error(fast, truth) <= relative_error(reference, truth) + TOLERANCES['bfloat16'].
+    float64 oracle; `truth`, if given, is only printed). bfloat16 / float16: `reference` is the
+    dense reference run in that dtype and `truth` the float64 oracle; the rule is
+    relative_error(fast, truth) <= relative_error(reference, truth) + TOLERANCES[dtype].
+    `elementwise`: each entry relative to its own reference value, not to the largest (for results
+    whose entries span many orders of magnitude, e.g. per-row losses of confident rows).
     On failure the message has the max error, where it is, and the fast / reference / truth values.
     """
     tol = TOLERANCES[dtype]
@@ -80,19 +94,20 @@ def assert_close(fast, reference, truth=None, *, dtype: str, name: str) -> None:
             sub_truth = None if truth is None else truth[key]
             # Metric counts are float32 by contract (docs/design.md, 'Metrics'), whatever the input dtype.
             sub_dtype = "float32" if key in METRIC_NAMES and dtype == "float64" else dtype
-            assert_close(fast[key], reference[key], sub_truth, dtype=sub_dtype, name=f"{name}:{key}")
+            assert_close(fast[key], reference[key], sub_truth, dtype=sub_dtype, name=f"{name}:{key}",
+                         elementwise=elementwise)
         return
     fast_np, ref_np = to_numpy(fast), to_numpy(reference)
     truth_np = None if truth is None else to_numpy(truth)
-    if dtype == "bfloat16":
+    if dtype in HALF_DTYPES:
         if truth_np is None:
-            raise ValueError(f"{name}: the bfloat16 rule needs the float64 truth")
-        err, index = relative_error(fast_np, truth_np)
-        ref_err, _ = relative_error(ref_np, truth_np)
+            raise ValueError(f"{name}: the {dtype} rule needs the float64 truth")
+        err, index = relative_error(fast_np, truth_np, elementwise=elementwise)
+        ref_err, _ = relative_error(ref_np, truth_np, elementwise=elementwise)
         bound = ref_err + tol
-        rule = f"error vs float64 truth {err:.3e} > dense bfloat16 reference's {ref_err:.3e} + {tol:g}"
+        rule = f"error vs float64 truth {err:.3e} > dense {dtype} reference's {ref_err:.3e} + {tol:g}"
     else:
-        err, index = relative_error(fast_np, ref_np)
+        err, index = relative_error(fast_np, ref_np, elementwise=elementwise)
         bound = tol
         rule = f"relative error {err:.3e} > {tol:g}"
     if err <= bound:
@@ -202,6 +217,21 @@ def jax_dtype(dtype: str):
     return getattr(jnp, dtype)
 
 
+def jax_x64(dtype: str = "float64"):
+    """A context with JAX's x64 mode on for a float64 case, else one that changes nothing.
+
+    The test session runs with x64 off, JAX's default and what users run (tests/conftest.py); only
+    a float64 case switches it on, locally (`jax.experimental.enable_x64`, thread-local). Without
+    x64, JAX would silently turn float64 inputs into float32. Arrays and jitted functions made
+    inside stay valid outside; a jitted function traces again under the other setting.
+    """
+    if dtype != "float64":
+        return contextlib.nullcontext()
+    from jax.experimental import enable_x64
+
+    return enable_x64(True)
+
+
 def _collect(loss, metrics, grads):
     results = {"loss": loss, **grads}
     if metrics is not None:
@@ -265,38 +295,37 @@ def run_jax(fn, inputs, *, dtype, upstream, grad_names=GRADS,
     """The JAX twin of `run_torch`: gradients from `jax.vjp` with `upstream` as the cotangent.
 
     Runs eagerly (pass a `jax.jit`-ed `fn` to test under jit): for the small shapes of the tests,
-    eager dispatch compiles less on CPU than one `jit` of the loss and its vjp.
+    eager dispatch compiles less on CPU than one `jit` of the loss and its vjp. x64 is on for
+    float64 only (`jax_x64`); other dtypes run in the caller's setting (off, unless it switched it on).
     """
     import jax
     import jax.numpy as jnp
 
-    arrays = {k: jnp.asarray(v) if k == "targets" else jnp.asarray(v, dtype=jax_dtype(dtype))
-              for k, v in inputs.items()}
-    diff = {k: arrays.pop(k) for k in grad_names if k in arrays}
+    with jax_x64(dtype):
+        arrays = {k: jnp.asarray(v) if k == "targets" else jnp.asarray(v, dtype=jax_dtype(dtype))
+                  for k, v in inputs.items()}
+        diff = {k: arrays.pop(k) for k in grad_names if k in arrays}
 
-    def loss_fn(diff_arrays):
-        a = {**arrays, **diff_arrays}
-        out = fn(a["hidden"], a["item_weight"], a["targets"], a.get("bias"), weight=a.get("weight"),
-                 class_weight=a.get("class_weight"), pos_weight=a.get("pos_weight"),
-                 return_metrics=return_metrics, **kwargs)
-        return out if return_metrics else (out, None)
+        def loss_fn(diff_arrays):
+            a = {**arrays, **diff_arrays}
+            out = fn(a["hidden"], a["item_weight"], a["targets"], a.get("bias"), weight=a.get("weight"),
+                     class_weight=a.get("class_weight"), pos_weight=a.get("pos_weight"),
+                     return_metrics=return_metrics, **kwargs)
+            return out if return_metrics else (out, None)
 
-    loss, vjp, metrics = jax.vjp(loss_fn, diff, has_aux=True)
-    (cotangents,) = vjp(jnp.asarray(upstream, dtype=loss.dtype))
-    return _collect(loss, metrics, {f"d_{k}": value for k, value in cotangents.items()})
+        loss, vjp, metrics = jax.vjp(loss_fn, diff, has_aux=True)
+        (cotangents,) = vjp(jnp.asarray(upstream, dtype=loss.dtype))
+        return _collect(loss, metrics, {f"d_{k}": value for k, value in cotangents.items()})
 
 
 # -- the exact-as-dense rule (issue 11); its float64 oracle is tests/_properties_oracle.py -------
 
-# Per dtype: the relative tolerance of the rule (`tol`) and machine epsilon (`eps`). float16 is the
-# torch-only half type; it follows CCE's rule like bfloat16.
-EXACT_TOLERANCES = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 2e-3, "float16": 2e-3}
+# Per dtype: machine epsilon (`eps`); the relative tolerance (`tol`) is TOLERANCES, the one table.
 EPSILON = {"float64": 2.0**-52, "float32": 2.0**-23, "bfloat16": 2.0**-7, "float16": 2.0**-10}
 # The absolute error of underflow per term, per result dtype (`Oracle.flush`): the smallest normal
 # number (XLA on CPU flushes subnormals to zero); float16 (torch only, which keeps subnormals) one
 # subnormal step, as its 'mean' gradients are often there.
 UNDERFLOW = {"float64": 2.0**-1022, "float32": 2.0**-126, "bfloat16": 2.0**-126, "float16": 2.0**-24}
-HALF_DTYPES = ("bfloat16", "float16")
 # The largest finite value per dtype: a truth beyond it must overflow (or saturate) with its sign.
 LARGEST = {"float64": float(np.finfo(np.float64).max), "float32": float(np.finfo(np.float32).max),
            "bfloat16": 3.3895313892515355e38, "float16": 65504.0}
@@ -332,7 +361,7 @@ def assert_exact_as_dense(fast, dense, oracle, *, dtype: str, name: str) -> None
 
     `fast`: {name: array} from the path under test; `dense`: `dense_same_dtype`'s results on the
     same inputs; `oracle`: `float64_oracle`'s (both in tests/_properties_oracle.py).
-    tol = EXACT_TOLERANCES[dtype], eps = EPSILON[dtype].
+    tol = TOLERANCES[dtype] (the same table as `assert_close`), eps = EPSILON[dtype].
 
     - loss, float32 / float64, elementwise (each row of 'none', or the scalar):
       |fast - truth| <= tol * A + 4 * eps * B + flush, with A = the float64 sum of |element losses|
@@ -357,7 +386,7 @@ def assert_exact_as_dense(fast, dense, oracle, *, dtype: str, name: str) -> None
     Missing or extra result names fail. On failure the message has the max error, where, and the
     fast / dense / truth values there.
     """
-    truth, tol, eps = oracle.truth, EXACT_TOLERANCES[dtype], EPSILON[dtype]
+    truth, tol, eps = oracle.truth, TOLERANCES[dtype], EPSILON[dtype]
     missing = set(truth) ^ set(fast)
     assert not missing, f"{name}: results differ in keys {sorted(missing)} (fast {sorted(fast)}, truth {sorted(truth)})"
     got = {k: to_numpy(v) for k, v in fast.items()}

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from jax_kernels.shapes import ArraySpec, check_arguments
-from torch_cutbce import ops
+from jax_kernels.shapes import ArraySpec, check_arguments, check_largest_id
 
 BACKENDS = ("auto", "native", "dense", "xla", "xla_blocked", "xla_pallas")
 
@@ -34,6 +33,18 @@ def check(hidden, item_weight, targets, bias, weight, class_weight, pos_weight, 
 def check_backend(backend) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def check_parallel_options(backend: str, mesh, vocab_parallel) -> None:
+    """`mesh=` needs the torch_xla bridge and `vocab_parallel=` the native engine; 'auto' passes (the
+    tensors decide). The module checks this when built, the function on the resolved backend."""
+    if mesh is not None and backend not in ("auto", "xla", "xla_blocked", "xla_pallas"):
+        raise ValueError(
+            f"mesh= runs under torch_xla SPMD and needs XLA tensors, got backend={backend!r}; "
+            f"for CPU/CUDA tensors split over processes use vocab_parallel="
+        )
+    if vocab_parallel is not None and backend not in ("auto", "native"):
+        raise ValueError(f"vocab_parallel= runs the native engine on CPU/CUDA tensors, got backend={backend!r}")
 
 
 def resolve_backend(backend: str, hidden: torch.Tensor) -> str:
@@ -67,13 +78,15 @@ def check_constant(name: str, t: torch.Tensor | None) -> None:
 
 
 def check_ids_below_vocab(targets: torch.Tensor, num_items: int) -> None:
-    """ids >= V: raise on CPU; a non-blocking device assert on CUDA; on XLA they are ignored like padding.
-
-    The native engine checks inside its op (`ops.check_ids_below`), where no host sync is needed
-    and torch.compile sees no data-dependent read; this is for the dense reference.
-    """
-    if targets.device.type in ("cpu", "cuda"):
-        ops.check_ids_below(targets, num_items)
+    """The torch side's one ids >= V check (`shapes.check_largest_id`): raise on CPU, a non-blocking
+    device assert on CUDA, nothing on XLA (ignored like padding). Runs inside the native ops (no
+    host sync, nothing data-dependent for torch.compile) and before the dense reference."""
+    if targets.numel() == 0:
+        return
+    if targets.device.type == "cpu":
+        check_largest_id(int(targets.max()), num_items)
+    elif targets.device.type == "cuda":
+        torch._assert_async(targets.max() < num_items, "targets holds an item id >= V")
 
 
 def matmul_dtype_inputs(hidden, item_weight, bias):

@@ -10,9 +10,9 @@ from torch_cutbce import arguments, ops
 from torch_cutbce.arguments import BACKENDS  # noqa: F401  (re-exported by torch_cutbce)
 from torch_cutbce.metrics import CutBCEMetrics
 from torch_cutbce.positives import accumulation_dtype
-from torch_cutbce.reduction import reduce_rows
+from torch_cutbce.reduction import reduce_rows, weighted_count_sums
 from torch_cutbce.reference import dense_bce_with_logits
-from torch_cutbce.vocab_parallel import VocabParallelOptions, vocab_parallel_rows
+from torch_cutbce.vocab_parallel import VocabParallelOptions, vocab_parallel_loss, vocab_parallel_rows
 
 def _padded_positions_dropped(hidden, targets, weight, num_items):
     """Indices of the positions to compute, or None for all of them.
@@ -129,13 +129,7 @@ def cut_bce_with_logits(
                               reduction=reduction, block_v=block_v)
     backend = arguments.resolve_backend(backend, hidden)
     focal = check_focal(focal)
-    if mesh is not None and not backend.startswith("xla"):
-        raise ValueError(
-            f"mesh= runs under torch_xla SPMD and needs XLA tensors, got backend={backend!r}; "
-            f"for CPU/CUDA tensors split over processes use vocab_parallel="
-        )
-    if vocab_parallel is not None and backend != "native":
-        raise ValueError(f"vocab_parallel= runs the native engine on CPU/CUDA tensors, got backend={backend!r}")
+    arguments.check_parallel_options(backend, mesh, vocab_parallel)  # on the resolved backend
     arguments.check_devices(
         dict(hidden=hidden, item_weight=item_weight, targets=targets, bias=bias, weight=weight,
              class_weight=class_weight, pos_weight=pos_weight),
@@ -154,9 +148,16 @@ def cut_bce_with_logits(
     flat = (hidden.reshape(n, size.hidden_size), item_weight, bias, class_weight, pos_weight,
             targets.reshape(n, size.num_slots))
     if vocab_parallel is not None:
-        rows, counts = vocab_parallel_rows(
-            *flat, options=vocab_parallel, compute_metrics=return_metrics, focal=focal,
-            block_v=tile_width(size.block_v, n, size.num_items))
+        block_v = tile_width(size.block_v, n, size.num_items)
+        if reduction != "none" and n > 0:  # one pass: each rank's gradients computed in its forward
+            hidden_2d, item_weight, bias, class_weight, pos_weight, targets_2d = flat
+            loss, counts = vocab_parallel_loss(
+                hidden_2d, item_weight, bias, None if weight is None else weight.reshape(n), class_weight,
+                pos_weight, targets_2d, options=vocab_parallel, compute_metrics=return_metrics, focal=focal,
+                divisor=reduction_divisor(reduction, n, vocab_parallel.num_items), block_v=block_v)
+            return (loss, CutBCEMetrics(*counts)) if return_metrics else loss
+        rows, counts = vocab_parallel_rows(*flat, options=vocab_parallel, compute_metrics=return_metrics,
+                                           focal=focal, block_v=block_v)
         return reduce_rows(rows, counts, weight, reduction, size.lead_shape, vocab_parallel.num_items,
                            return_metrics)
     if backend == "native":
@@ -168,11 +169,11 @@ def cut_bce_with_logits(
     else:
         from torch_cutbce import xla_bridge  # the one module that imports torch_xla and jax
 
-
         block_v = tile_width(size.block_v, n, size.num_items)
-        if reduction != "none" and n > 0 and xla_bridge.one_pass(mesh):
+        if reduction != "none" and n > 0:
             return _xla_one_pass(flat, weight, reduction=reduction, n=n, num_items=size.num_items,
-                                 block_v=block_v, return_metrics=return_metrics, backend=backend, focal=focal)
+                                 block_v=block_v, return_metrics=return_metrics, backend=backend, focal=focal,
+                                 mesh=mesh, vocab_axis=vocab_axis, data_axis=data_axis)
         rows, counts = xla_bridge.cut_bce_rows(
             *flat, block_v=block_v, compute_metrics=return_metrics, backend=backend,
             mesh=mesh, vocab_axis=vocab_axis, data_axis=data_axis, focal=focal,
@@ -180,18 +181,19 @@ def cut_bce_with_logits(
     return reduce_rows(rows, counts, weight, reduction, size.lead_shape, size.num_items, return_metrics)
 
 
-def _xla_one_pass(flat, weight, *, reduction, n, num_items, block_v, return_metrics, backend, focal):
-    """'sum' / 'mean' through the bridge with the gradients computed in the forward (one pass)."""
+def _xla_one_pass(flat, weight, *, reduction, n, num_items, block_v, return_metrics, backend, focal,
+                  mesh, vocab_axis, data_axis):
+    """'sum' / 'mean' through the bridge with the gradients computed in the forward (one pass), on
+    one device or under an SPMD mesh."""
     from torch_cutbce import xla_bridge
 
     hidden = flat[0]
     acc = accumulation_dtype(hidden.dtype)
     w = torch.ones(n, dtype=acc, device=hidden.device) if weight is None else weight.reshape(n).to(acc)
     row_weight = w / reduction_divisor(reduction, n, num_items)
-    loss, counts = xla_bridge.cut_bce_weighted_sum(*flat, row_weight, block_v=block_v,
-                                                   compute_metrics=return_metrics, backend=backend, focal=focal)
+    loss, counts = xla_bridge.cut_bce_weighted_sum(
+        *flat, row_weight, block_v=block_v, compute_metrics=return_metrics, backend=backend,
+        mesh=mesh, vocab_axis=vocab_axis, data_axis=data_axis, focal=focal)
     if not return_metrics:
         return loss
-    if weight is not None:
-        counts = counts * weight.detach().reshape(1, n).to(counts.dtype)
-    return loss, CutBCEMetrics(*counts.sum(-1))
+    return loss, CutBCEMetrics(*weighted_count_sums(counts, weight))

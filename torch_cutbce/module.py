@@ -6,16 +6,19 @@ import torch
 from torch import nn
 
 from jax_kernels.focal import Focal, check_focal
-from jax_kernels.shapes import check_block_v, check_reduction
-from torch_cutbce.arguments import check_backend
+from jax_kernels.shapes import AxisName, check_block_v, check_mesh_axes, check_reduction
+from torch_cutbce.arguments import check_backend, check_parallel_options
 from torch_cutbce.functional import cut_bce_with_logits
+from torch_cutbce.vocab_parallel import VocabParallelOptions
 
 
 class CutBCEWithLogitsLoss(nn.Module):
     """Drop-in for `BCEWithLogitsLoss(hidden @ item_weight.T + bias, multi_hot)` without the logits.
 
     `pos_weight` and `class_weight` (`[V]`) are registered as buffers, so they follow `.to()` and
-    live in the state dict, as BCEWithLogitsLoss's do. See `cut_bce_with_logits` for the arguments.
+    live in the state dict, as BCEWithLogitsLoss's do. Every other option of `cut_bce_with_logits`
+    (see it for the arguments) is fixed here too, the torch_xla SPMD `mesh` and `vocab_parallel`
+    included, and checked when the module is built as far as it can be without tensors.
 
     Example:
       >>> loss_fn = CutBCEWithLogitsLoss()
@@ -32,16 +35,33 @@ class CutBCEWithLogitsLoss(nn.Module):
         backend: str = "auto",
         return_metrics: bool = False,
         focal: Focal | None = None,
+        mesh=None,
+        vocab_axis: AxisName = "model",
+        data_axis: AxisName = "data",
+        vocab_parallel: VocabParallelOptions | None = None,
     ):
         super().__init__()
         # Checked here too, so a bad option fails where it is written, not at the first step.
         check_reduction(reduction)
         check_backend(backend)
+        if vocab_parallel is not None and not isinstance(vocab_parallel, VocabParallelOptions):
+            raise TypeError(f"vocab_parallel must be a VocabParallelOptions or None, got {type(vocab_parallel).__name__}")
+        if mesh is not None and vocab_parallel is not None:
+            raise ValueError("mesh= (torch_xla SPMD) and vocab_parallel= (torch.distributed ranks) exclude each other")
+        check_parallel_options(backend, mesh, vocab_parallel)
+        if mesh is not None:
+            if not hasattr(mesh, "axis_names"):
+                raise TypeError(f"mesh must be a torch_xla.distributed.spmd.Mesh, got {type(mesh).__name__}")
+            check_mesh_axes(mesh.axis_names, vocab_axis, data_axis)
         self.reduction = reduction
         self.block_v = check_block_v(block_v)
         self.backend = backend
         self.return_metrics = return_metrics
         self.focal = check_focal(focal)
+        self.mesh = mesh
+        self.vocab_axis = vocab_axis
+        self.data_axis = data_axis
+        self.vocab_parallel = vocab_parallel
         self.register_buffer("pos_weight", pos_weight)
         self.register_buffer("class_weight", class_weight)
 
@@ -50,9 +70,19 @@ class CutBCEWithLogitsLoss(nn.Module):
             hidden, item_weight, targets, bias,
             weight=weight, class_weight=self.class_weight, pos_weight=self.pos_weight,
             reduction=self.reduction, return_metrics=self.return_metrics,
-            block_v=self.block_v, backend=self.backend, focal=self.focal,
+            block_v=self.block_v, backend=self.backend, focal=self.focal, mesh=self.mesh,
+            vocab_axis=self.vocab_axis, data_axis=self.data_axis, vocab_parallel=self.vocab_parallel,
         )
 
     def extra_repr(self) -> str:
-        focal = "" if self.focal is None else f", focal={self.focal}"
-        return f"reduction={self.reduction!r}, block_v={self.block_v}, backend={self.backend!r}{focal}"
+        parts = [f"reduction={self.reduction!r}", f"block_v={self.block_v}", f"backend={self.backend!r}"]
+        if self.focal is not None:
+            parts.append(f"focal={self.focal}")
+        if self.mesh is not None:
+            shape = tuple(getattr(self.mesh, "mesh_shape", ()))
+            parts += [f"mesh=Mesh({shape}, {tuple(self.mesh.axis_names)})",
+                      f"vocab_axis={self.vocab_axis!r}", f"data_axis={self.data_axis!r}"]
+        if self.vocab_parallel is not None:
+            o = self.vocab_parallel
+            parts.append(f"vocab_parallel=VocabParallelOptions(start={o.start}, stop={o.stop}, num_items={o.num_items})")
+        return ", ".join(parts)

@@ -33,7 +33,7 @@ class _Tiles:
     Yields `(start, stop, z, dz, items, cw)`: `z` with the tile's positives at -inf (their logits go
     to `self.positives.logits` unless `keep_logits` is False), `cw` a `[1, bv]` row or None. Each
     tile is a contiguous `[N, stop - start]` view of one reused flat buffer (the ragged last tile
-    too, with a spare element after it), so the compiled tile functions always see the same layout.
+    too), so the compiled tile functions always see the same layout.
     With `with_grad`, `dz` is a view of a second buffer for the tile's gradient.
     """
 
@@ -42,7 +42,7 @@ class _Tiles:
         self.block_v, self.keep_logits = block_v, keep_logits
         self.positives = positives.TilePositives(ids, min(block_v, item_weight.shape[0]), h.dtype)
         size = h.shape[0] * min(block_v, item_weight.shape[0])
-        self.buffer = torch.empty(size + 1, dtype=h.dtype, device=h.device)
+        self.buffer = torch.empty(size, dtype=h.dtype, device=h.device)
         self.grad_buffer = torch.empty(size, dtype=h.dtype, device=h.device) if with_grad else None
 
     def __iter__(self):
@@ -166,7 +166,7 @@ def rows_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, logi
 
 
 def loss_and_grads(hidden, item_weight, bias, weight, class_weight, pos_weight, targets, divisor, block_v,
-                   compute_metrics, need, focal=None):
+                   compute_metrics, need, focal=None, offset=0):
     """The 'sum' / 'mean' loss `sum_n weight[n] rows[n] / divisor` and its gradients, in one pass.
 
     The row gradient `g[n] = weight[n] / divisor` is known before the forward, so each logits tile
@@ -180,7 +180,7 @@ def loss_and_grads(hidden, item_weight, bias, weight, class_weight, pos_weight, 
     """
     acc = positives.accumulation_dtype(hidden.dtype)
     num_items, n = item_weight.shape[0], hidden.shape[0]
-    ids = positives.positive_ids(targets, num_items)
+    ids = positives.positive_ids(targets, num_items, offset)  # global ids -> the table's (as rows_forward)
     h = hidden.to(acc)
     # A tensor division: 'mean' over zero positions divides by 0 and gives nan, as torch does.
     divisor = torch.tensor(divisor, dtype=acc)
@@ -208,10 +208,9 @@ def loss_and_grads(hidden, item_weight, bias, weight, class_weight, pos_weight, 
         positives.add_positive_grads(dz_positives, ids, h, item_weight, d_hidden, d_items, d_bias)
     loss = (rows if weight is None else rows * weight.to(acc)).sum() / divisor
     if compute_metrics:
-        counts = _metric_counts(false_positives, logits, ids, num_items)
-        if weight is not None:
-            counts = counts * weight.detach().to(torch.float32)
-        counts = counts.sum(-1)
+        from torch_cutbce.reduction import weighted_count_sums  # the counts tail, shared with the entry
+
+        counts = weighted_count_sums(_metric_counts(false_positives, logits, ids, num_items), weight)
     else:
         counts = torch.zeros((0,), dtype=torch.float32, device=h.device)
     return loss, counts, rows, d_hidden, d_items, d_bias

@@ -18,18 +18,7 @@ from torch import Tensor
 
 from jax_kernels.focal import from_args as _focal, to_args as _focal_args  # custom ops take plain values
 from torch_cutbce import native, positives
-
-
-def check_ids_below(targets: Tensor, limit: int) -> None:
-    """Item ids >= `limit` raise on CPU and trigger a device assert on CUDA (inside the ops: no sync)."""
-    if targets.numel() == 0:
-        return
-    if targets.device.type == "cpu":
-        largest = int(targets.max())
-        if largest >= limit:
-            raise ValueError(f"targets holds item id {largest}, but item_weight has only V={limit} items (ids must be < V)")
-    elif targets.device.type == "cuda":
-        torch._assert_async(targets.max() < limit, "targets holds an item id >= V")
+from torch_cutbce.arguments import check_ids_below_vocab
 
 
 def _no_grad_buffer(like: Tensor) -> Tensor:
@@ -59,7 +48,7 @@ def _cast(grad: Tensor, dtype: torch.dtype) -> Tensor:
 def _rows(hidden: Tensor, item_weight: Tensor, bias: Tensor | None, class_weight: Tensor | None,
           pos_weight: Tensor | None, targets: Tensor, block_v: int, compute_metrics: bool, offset: int,
           id_limit: int, gamma: float, alpha: float, balancing: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    check_ids_below(targets, id_limit)
+    check_ids_below_vocab(targets, id_limit)
     with torch.autocast(hidden.device.type, enabled=False), torch.no_grad():
         return native.rows_forward(hidden, item_weight, bias, class_weight, pos_weight, targets, block_v,
                                    compute_metrics, offset, focal=_focal(gamma, alpha, balancing))
@@ -134,20 +123,20 @@ def rows(hidden, item_weight, bias, class_weight, pos_weight, targets, *, block_
 @torch.library.custom_op("torch_cutbce::loss", mutates_args=())
 def _loss(hidden: Tensor, item_weight: Tensor, bias: Tensor | None, weight: Tensor | None,
           class_weight: Tensor | None, pos_weight: Tensor | None, targets: Tensor, divisor: float, block_v: int,
-          compute_metrics: bool, need_hidden: bool, need_items: bool, need_bias: bool, gamma: float,
-          alpha: float, balancing: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    check_ids_below(targets, item_weight.shape[0])
+          compute_metrics: bool, need_hidden: bool, need_items: bool, need_bias: bool, offset: int, id_limit: int,
+          gamma: float, alpha: float, balancing: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    check_ids_below_vocab(targets, id_limit)
     with torch.autocast(hidden.device.type, enabled=False), torch.no_grad():
         out = native.loss_and_grads(hidden, item_weight, bias, weight, class_weight, pos_weight, targets,
                                     divisor, block_v, compute_metrics, (need_hidden, need_items, need_bias),
-                                    focal=_focal(gamma, alpha, balancing))
+                                    focal=_focal(gamma, alpha, balancing), offset=offset)
     loss, counts, row_losses = out[:3]
     return (loss, counts, row_losses, *(_no_grad_buffer(row_losses) if d is None else d for d in out[3:]))
 
 
 @_loss.register_fake
 def _(hidden, item_weight, bias, weight, class_weight, pos_weight, targets, divisor, block_v, compute_metrics,
-      need_hidden, need_items, need_bias, gamma, alpha, balancing):
+      need_hidden, need_items, need_bias, offset, id_limit, gamma, alpha, balancing):
     acc = positives.accumulation_dtype(hidden.dtype)
     grads = [hidden.new_empty(shape if need else (0,), dtype=acc) for shape, need in
              zip((hidden.shape, item_weight.shape, item_weight.shape[:1]),
@@ -182,18 +171,19 @@ def _loss_grad(ctx, g_loss, *_):
     if need[3]:
         scale = g_loss.to(row_losses.dtype) / torch.tensor(ctx.divisor, dtype=row_losses.dtype)
         d_weight = (row_losses * scale).to(ctx.dtypes[3])
-    return (*out, d_weight, None, None, None, None, None, None, None, None, None, None, None, None)
+    return (*out, d_weight, *[None] * 14)  # class/pos weight, targets and the plain arguments
 
 
 _loss.register_autograd(_loss_grad, setup_context=_loss_setup)
 
 
 def loss(hidden, item_weight, bias, weight, class_weight, pos_weight, targets, *, divisor, block_v,
-         compute_metrics, focal=None):
+         compute_metrics, offset=0, id_limit=None, focal=None):
     """`(loss [], counts [4] or [0])` of `native.loss_and_grads`, the gradients computed only for the
-    inputs that require them while grad mode is on."""
+    inputs that require them while grad mode is on; `offset` / `id_limit` as in `rows`."""
     grad_on = torch.is_grad_enabled()
     need = [grad_on and x is not None and x.requires_grad for x in (hidden, item_weight, bias)]
     out = _loss(hidden, item_weight, bias, weight, class_weight, pos_weight, targets, float(divisor), block_v,
-                compute_metrics, *need, *_focal_args(focal))
+                compute_metrics, *need, offset, item_weight.shape[0] if id_limit is None else id_limit,
+                *_focal_args(focal))
     return out[0], out[1]

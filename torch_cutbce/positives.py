@@ -38,37 +38,46 @@ def positive_ids(targets: torch.Tensor, num_items: int, offset: int = 0) -> torc
 class TilePositives:
     """Takes each vocabulary tile's positives out of its logits, and keeps their logits.
 
-    A tile `[start, stop)` is an `[N, stop - start]` view of a flat buffer with one spare element
-    after it: ids outside the tile are pointed at the spare, so a tile's reads and writes are one
-    gather and one fill of N L elements, never a pass over the tile. Tiles start at multiples of
-    `block_v`, so each id's tile and column are computed once, not per tile. After every tile has
-    been through `take_out`, `logits` `[N, L]` holds each valid id's logit (undefined elsewhere).
+    A tile `[start, stop)` is an `[N, stop - start]` view of a flat buffer. The valid ids are sorted
+    by tile once per call, so a tile's work is one gather and one fill of its own positives (about
+    N L / #tiles elements), never a pass over the tile or over all N L ids. Tiles start at multiples
+    of `block_v`. After every tile has been through `take_out`, `logits` `[N, L]` holds each valid
+    id's logit (0 elsewhere). Grouping by tile reads the per-tile counts back to the host once per
+    call (free on CPU, one sync on CUDA).
     """
 
     def __init__(self, ids: torch.Tensor, block_v: int, dtype: torch.dtype):
-        n = ids.shape[0]
-        self.block_v = block_v
-        self.tile = torch.where(ids >= 0, torch.div(ids, block_v, rounding_mode="floor"), -1)
-        self.row = torch.arange(n, device=ids.device).unsqueeze(-1)
-        self.column = ids - self.tile * block_v
-        self.full_tile_slots = self.row * block_v + self.column
-        self.logits = torch.zeros(ids.shape, dtype=dtype, device=ids.device)
-
-    def _slots(self, start: int, stop: int):
-        width = stop - start
-        here = self.tile == start // self.block_v
-        slots = self.full_tile_slots if width == self.block_v else self.row * width + self.column
-        spare = self.row.shape[0] * width  # the element just past the tile in the flat buffer
-        return here, torch.where(here, slots, spare).reshape(-1)
+        self.shape, self.block_v = ids.shape, block_v
+        where = (ids >= 0).reshape(-1).nonzero().squeeze(-1)  # flat [N L] positions of the valid ids
+        valid_ids = ids.reshape(-1)[where]
+        tile = torch.div(valid_ids, block_v, rounding_mode="floor")
+        tile, order = torch.sort(tile, stable=True)
+        self.where = where[order]
+        self.row = torch.div(self.where, ids.shape[1], rounding_mode="floor")
+        self.column = valid_ids[order] - tile * block_v
+        self.full_tile_index = self.row * block_v + self.column
+        self.bounds = [0, *torch.bincount(tile).cumsum(0).tolist()]  # tile k: [bounds[k], bounds[k + 1])
+        self.sorted_logits = torch.zeros(self.where.shape, dtype=dtype, device=ids.device)
 
     def take_out(self, flat: torch.Tensor, start: int, stop: int, *, keep_logits: bool = True) -> None:
-        """Reads the tile's positive logits into `self.logits` and sets them to -inf in `flat`, the
-        buffer the tile is a view of (`N * (stop - start) + 1` elements or more)."""
-        here, slots = self._slots(start, stop)
+        """Reads the tile's positive logits and sets them to -inf in `flat`, the buffer the tile is a
+        view of (`N * (stop - start)` elements or more)."""
+        k = start // self.block_v
+        if k + 1 >= len(self.bounds) or self.bounds[k] == self.bounds[k + 1]:
+            return
+        lo, hi = self.bounds[k], self.bounds[k + 1]
+        width = stop - start
+        index = (self.full_tile_index[lo:hi] if width == self.block_v
+                 else self.row[lo:hi] * width + self.column[lo:hi])
         if keep_logits:
-            gathered = flat.index_select(0, slots).view(here.shape)
-            torch.where(here, gathered, self.logits, out=self.logits)
-        flat.index_fill_(0, slots, float("-inf"))
+            torch.index_select(flat, 0, index, out=self.sorted_logits[lo:hi])
+        flat.index_fill_(0, index, float("-inf"))
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """`[N, L]`: each valid id's logit, 0 at padding and duplicates."""
+        out = self.sorted_logits.new_zeros(self.shape[0] * self.shape[1])
+        return out.index_copy_(0, self.where, self.sorted_logits).view(self.shape)
 
 
 def positive_terms(logits, ids, class_weight, pos_weight, g=None, focal=None):

@@ -6,6 +6,18 @@ from jax_kernels.shapes import reduction_divisor
 from torch_cutbce.metrics import CutBCEMetrics
 
 
+def weighted_counts(counts, weight):
+    """Counts `[4, N]` times the position weight `[*S]` (detached: the metrics get no gradient)."""
+    if weight is None:
+        return counts
+    return counts * weight.detach().reshape(1, counts.shape[-1]).to(counts.dtype)
+
+
+def weighted_count_sums(counts, weight):
+    """Counts `[4, N]` weighted by `weight` and summed over the positions: `[4]` (tp, fp, fn, tn)."""
+    return weighted_counts(counts, weight).sum(-1)
+
+
 def reduce_rows(rows, counts, weight, reduction, lead_shape, num_items, return_metrics):
     """Per-position rows `[N]` and counts `[4, N]` -> the loss (and `CutBCEMetrics`) of a reduction.
 
@@ -14,7 +26,6 @@ def reduce_rows(rows, counts, weight, reduction, lead_shape, num_items, return_m
     n = rows.shape[0]
     if weight is not None:
         rows = rows * weight.reshape(n).to(rows.dtype)
-        counts = counts * weight.detach().reshape(1, n).to(counts.dtype)
     if reduction == "none":
         loss = rows.reshape(lead_shape)
     elif reduction == "sum":
@@ -24,5 +35,5 @@ def reduce_rows(rows, counts, weight, reduction, lead_shape, num_items, return_m
     if not return_metrics:
         return loss
     if reduction == "none":
-        return loss, CutBCEMetrics(*counts).reshape(lead_shape)
-    return loss, CutBCEMetrics(*counts.sum(-1))
+        return loss, CutBCEMetrics(*weighted_counts(counts, weight)).reshape(lead_shape)
+    return loss, CutBCEMetrics(*weighted_count_sums(counts, weight))

@@ -1,20 +1,12 @@
 """Vocabulary-parallel CutBCE over torch.distributed: each rank holds the item rows `[start, stop)`.
 
-For CPU/CUDA tensors and any backend (gloo, NCCL), in the manner of Apple CCE's
-`VocabParallelOptions`: `cut_bce_with_logits(..., vocab_parallel=options)`. Every rank of the group holds the same hidden states and the same global
-target ids, and its own slice of the item table (and of bias / class_weight / pos_weight). The loss
-is a sum over items, so each rank runs the native engine (`ops.rows`) on its
-slice, keeping only the ids in `[start, stop)` as its positives (`positives.positive_ids` with an
-offset: each positive falls in exactly one rank's tiles), and the partial rows are summed:
-
-    forward:  rows = all_reduce_sum(rows_local)            one all_reduce (rows and counts stacked)
-    backward: d_hidden = all_reduce_sum(d_hidden_local)    one all_reduce
-              d_item_weight, d_bias: local slices, no collective
-
-That is Megatron's pair of conjugate regions: "copy" (identity forward, all_reduce backward) where the
-hidden states enter, "reduce" (all_reduce forward, identity backward) where the rows leave. So every
-rank ends with the same loss, metrics and full `d_hidden`, and gradients only for its own item rows.
-The item-table slices are distinct parameters: do not average them with DDP over this group.
+`cut_bce_with_logits(..., vocab_parallel=VocabParallelOptions(...))`, for CPU/CUDA tensors and
+any backend (gloo, NCCL), as Apple CCE's `VocabParallelOptions`. Each rank runs the native engine
+on its slice, keeping the ids in its slice as positives, and the rows are summed over the ranks:
+Megatron's conjugate regions, "copy" where the hidden states enter (all_reduce of `d_hidden` in
+the backward), "reduce" where the rows leave (one all_reduce of rows and counts in the forward).
+Every rank gets the same loss, metrics and `d_hidden`, and gradients for its own rows only.
+Usage and caveats: examples/sharded_note.md.
 """
 
 from __future__ import annotations
@@ -85,6 +77,12 @@ class _SumOverRanks(torch.autograd.Function):
         return grad, None
 
 
+def _check_slice(item_weight, options: VocabParallelOptions) -> None:
+    if item_weight.shape[0] != options.stop - options.start:
+        raise ValueError(f"item_weight holds {item_weight.shape[0]} rows but options give "
+                         f"[{options.start}, {options.stop})")
+
+
 def vocab_parallel_rows(hidden, item_weight, bias, class_weight, pos_weight, targets, *, options: VocabParallelOptions,
                         block_v: int, compute_metrics: bool, focal=None):
     """Rows `[N]` and counts `[4 or 0, N]` over the whole catalog, this rank holding `options`' slice.
@@ -92,10 +90,7 @@ def vocab_parallel_rows(hidden, item_weight, bias, class_weight, pos_weight, tar
     Called by `cut_bce_with_logits(..., vocab_parallel=options)` with `[N, D]` / `[N, L]` inputs;
     the same rows, counts and `d_hidden` on every rank (module docstring).
     """
-    local_items = options.stop - options.start
-    if item_weight.shape[0] != local_items:
-        raise ValueError(f"item_weight holds {item_weight.shape[0]} rows but options give "
-                         f"[{options.start}, {options.stop})")
+    _check_slice(item_weight, options)
     hidden = _CopyToRanks.apply(hidden, options.group)
     # Global ids: the op keeps those in [start, stop) as local ids, the others are another rank's;
     # ids >= the global V raise (CPU) or assert (CUDA) inside the op, as on one device.
@@ -104,4 +99,24 @@ def vocab_parallel_rows(hidden, item_weight, bias, class_weight, pos_weight, tar
                             focal=focal)
     # One all_reduce: counts are integers below 2**24, exact in float32 and float64.
     stacked = _SumOverRanks.apply(torch.cat([rows[None], counts.to(rows.dtype)]), options.group)
+    return stacked[0], stacked[1:].detach().float()
+
+
+def vocab_parallel_loss(hidden, item_weight, bias, weight, class_weight, pos_weight, targets, *,
+                        options: VocabParallelOptions, divisor: float, block_v: int, compute_metrics: bool,
+                        focal=None):
+    """'sum' / 'mean' in one pass: `(loss [], counts [4 or 0])`, weighted and summed over positions.
+
+    Each rank's `torch_cutbce::loss` computes its items' share of the loss, counts and gradients
+    in the forward (`divisor` is the global one); one all_reduce sums the shares. hidden and weight
+    enter through `_CopyToRanks`, so their gradients (each rank's partial) are summed over the ranks.
+    """
+    _check_slice(item_weight, options)
+    hidden = _CopyToRanks.apply(hidden, options.group)
+    if weight is not None and weight.requires_grad:
+        weight = _CopyToRanks.apply(weight, options.group)
+    loss, counts = ops.loss(hidden, item_weight, bias, weight, class_weight, pos_weight, targets, divisor=divisor,
+                            block_v=block_v, compute_metrics=compute_metrics, offset=options.start,
+                            id_limit=options.num_items, focal=focal)
+    stacked = _SumOverRanks.apply(torch.cat([loss[None], counts.to(loss.dtype)]), options.group)
     return stacked[0], stacked[1:].detach().float()

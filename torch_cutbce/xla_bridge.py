@@ -6,7 +6,7 @@ claim the TPU before JAX does (its `jax_import_guard`).
 
 How the pieces connect:
 
-    nn.Module / cut_bce_with_logits
+    nn.Module / cut_bce_with_logits ('none')
       -> torch.ops.cutbce.xla_rows        a torch.library custom op; `register_autograd` makes it an
                                           autograd.Function, `register_fake` lets dynamo see it as
                                           one opaque node (`torch.compile(backend='openxla',
@@ -16,10 +16,15 @@ How the pieces connect:
       -> jax_kernels.cut_bce_forward      the same function the jax.custom_vjp uses
       -> Pallas kernels on TPU, the blocked pure-JAX loop elsewhere (or Pallas in interpret mode)
     backward: torch.ops.cutbce.xla_rows_backward -> call_jax(_jax_backward) -> cut_bce_backward
+    'sum' / 'mean': torch.ops.cutbce.xla_weighted_sum -> call_jax(_jax_weighted_sum)
+      -> cut_bce_value_and_grad (one device) or sharded_value_and_grad (mesh): the gradients come
+      out of the forward; its backward only scales them
 
-Saved for the backward: the inputs only (no `[N, V]` or `[N, block_v]` residual).
-`call_jax` caches lowerings by `id(fn)`: `_jax_forward` and `_jax_backward` are module-level and
-must stay so (a closure or lambda would retrace and grow the cache on every step).
+With a mesh the same ops lower `jax_kernels.sharded`'s shard_map over an AbstractMesh instead.
+Saved for the backward: the inputs only (no `[N, V]` or `[N, block_v]` residual); the one-pass op
+saves its rows and gradients.
+`call_jax` caches lowerings by `id(fn)`: `_jax_forward`, `_jax_backward` and `_jax_weighted_sum` are
+module-level and must stay so (a closure or lambda would retrace and grow the cache on every step).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from torch_xla._internal.jax_workarounds import jax_import_guard
 jax_import_guard()
 
 import jax  # noqa: E402
+import jax.experimental  # noqa: E402  (enable_x64: the backward runs in the forward's mode)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -73,14 +79,17 @@ def _jax_backward(hidden, item_weight, targets, bias, class_weight, pos_weight, 
     return d_hidden, d_items, jnp.zeros((0,), d_items.dtype) if d_bias is None else d_bias
 
 
-def _jax_weighted_sum(hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight, *, config):
+def _jax_weighted_sum(hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight, *, config, layout):
     """`sum_n row_weight[n] rows[n]`, the `[4 or 0, N]` counts, the rows, and the gradients for an
-    upstream 1, in one pass over the tiles (`cut_bce_value_and_grad`, blocked or Pallas)."""
+    upstream 1, in one pass over the tiles (`cut_bce_value_and_grad`, blocked or Pallas; under a
+    mesh its shard_map twin `sharded_value_and_grad`)."""
     global _trace_count
     _trace_count += 1
-    (rows, counts), (d_hidden, d_items, d_bias) = jax_core.cut_bce_value_and_grad(
-        hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight, config=config
-    )
+    args = (hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight)
+    if layout is None:
+        (rows, counts), (d_hidden, d_items, d_bias) = jax_core.cut_bce_value_and_grad(*args, config=config)
+    else:
+        (rows, counts), (d_hidden, d_items, d_bias) = jax_sharded.sharded_value_and_grad(*args, layout=layout)
     loss = (rows * row_weight.astype(rows.dtype)).sum()
     # One output structure whatever the inputs (see _jax_backward); gradients in the accumulation dtype.
     return loss, counts, rows, d_hidden, d_items, jnp.zeros((0,), d_items.dtype) if d_bias is None else d_bias
@@ -192,12 +201,17 @@ def _setup_context(ctx, inputs, output):
     hidden, item_weight, targets, bias, class_weight, pos_weight, block_v, _, impl, *mesh = inputs
     ctx.save_for_backward(hidden, item_weight, targets, bias, class_weight, pos_weight)
     ctx.static = (block_v, impl, *mesh)
+    ctx.x64 = bool(jax.config.jax_enable_x64)  # the forward's mode, for the backward's own lowering
     ctx.mark_non_differentiable(output[1])
 
 
 def _backward(ctx, g_rows, _g_counts):
     hidden, item_weight, targets, bias, class_weight, pos_weight = ctx.saved_tensors
-    grads = xla_rows_backward(hidden, item_weight, targets, bias, class_weight, pos_weight, g_rows, *ctx.static)
+    # Autograd may run this on another thread, where a `jax.experimental.enable_x64` context of the
+    # forward's thread does not hold: lower the backward in the forward's mode (float64 stays float64).
+    with jax.experimental.enable_x64(ctx.x64):
+        grads = xla_rows_backward(hidden, item_weight, targets, bias, class_weight, pos_weight, g_rows,
+                                  *ctx.static)
     d_bias = grads[2] if bias is not None else None
     return (grads[0], grads[1], None, d_bias) + (None,) * 12
 
@@ -217,20 +231,24 @@ def xla_weighted_sum(
     block_v: int,
     compute_metrics: bool,
     impl: str,
+    mesh_shape: list[int],
+    mesh_axes: str,
+    vocab_axis: str,
+    data_axis: str,
     gamma: float,
     alpha: float,
     balancing: bool,
 ) -> list[torch.Tensor]:
     """`[loss, counts, rows, d_hidden, d_item_weight, d_bias or an empty placeholder]` of `_jax_weighted_sum`."""
-    config = jax_core.CutBCEConfig(block_v=block_v, compute_metrics=compute_metrics, impl=impl,
-                                   focal=focal_from_args(gamma, alpha, balancing))
+    static = _static(block_v, compute_metrics, impl, mesh_shape, mesh_axes, vocab_axis, data_axis,
+                     (gamma, alpha, balancing))
     args = (hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight)
-    return list(xb.call_jax(_jax_weighted_sum, args, {"config": config}))
+    return list(xb.call_jax(_jax_weighted_sum, args, static))
 
 
 @xla_weighted_sum.register_fake
 def _(hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight, block_v, compute_metrics, impl,
-      gamma, alpha, balancing):
+      *mesh_and_focal):
     n, acc = hidden.shape[0], _rows_dtype(hidden)
     # The Pallas table gradient comes in the table's dtype (no table-sized float32 buffer on TPU).
     items_dtype = item_weight.dtype if impl == "pallas" else acc
@@ -243,6 +261,9 @@ def _(hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight, 
 def _weighted_sum_setup(ctx, inputs, output):
     ctx.save_for_backward(output[2], *output[3:])
     ctx.dtypes = [None if x is None else x.dtype for x in (inputs[0], inputs[1], inputs[3])]
+    # The gradient of mesh_shape must have its tree structure: torch.library reads an empty list
+    # as an empty list of tensors (a node), a list of ints as one leaf.
+    ctx.mesh_shape_grad = None if inputs[10] else []
     ctx.mark_non_differentiable(*output[1:])
 
 
@@ -260,7 +281,8 @@ def _weighted_sum_backward(ctx, output_grads):
                          for d, dtype, n in zip((d_hidden, d_items), ctx.dtypes[:2], need[:2]))
     d_bias = scaled(d_bias, ctx.dtypes[2]) if need[3] else None
     d_row_weight = (rows * g_loss.to(rows.dtype)) if need[6] else None
-    return d_hidden, d_items, None, d_bias, None, None, d_row_weight, None, None, None, None, None, None
+    return (d_hidden, d_items, None, d_bias, None, None, d_row_weight, None, None, None, ctx.mesh_shape_grad,
+            *(None,) * 6)
 
 
 xla_weighted_sum.register_autograd(_weighted_sum_backward, setup_context=_weighted_sum_setup)
@@ -282,25 +304,32 @@ def _check_x64(hidden: torch.Tensor) -> None:
         )
 
 
-def one_pass(mesh) -> bool:
-    """Whether the 'sum' / 'mean' loss runs in one pass (`cut_bce_weighted_sum`): on one device, with
-    the blocked loop or the Pallas kernels. Under an SPMD mesh the bridge computes the rows, then the
-    gradients (the sharded JAX path has a one-pass form; the bridge does not use it yet)."""
-    return mesh is None
+def _mesh_args(mesh, vocab_axis, data_axis) -> tuple:
+    """The custom ops' `(mesh_shape, mesh_axes, vocab_axis, data_axis)`; `([], '', '', '')` for one device."""
+    if mesh is None:
+        return [], "", "", ""
+    device_ids = np.asarray(mesh.device_ids).ravel()
+    if not np.array_equal(device_ids, np.arange(device_ids.size)):
+        raise ValueError(f"mesh.device_ids must be 0..n-1 in order, got {mesh.device_ids}")
+    return list(mesh.mesh_shape), ",".join(mesh.axis_names), _join(vocab_axis), _join(data_axis)
 
 
 def cut_bce_weighted_sum(hidden, item_weight, bias, class_weight, pos_weight, targets, row_weight, *,
-                         block_v, compute_metrics, backend, focal=None):
-    """`(sum_n row_weight[n] rows[n], counts [4 or 0, N])`, gradients computed in the forward.
+                         block_v, compute_metrics, backend, mesh=None, vocab_axis="model", data_axis="data",
+                         focal=None):
+    """`(sum_n row_weight[n] rows[n], counts [4 or 0, N])`, gradients computed in the forward: the
+    'sum' / 'mean' loss in one pass over the tiles, on one device or under an SPMD mesh (`mesh` as
+    in `cut_bce_rows`; each device's pass covers its own slice of the table and of the positions).
 
     `row_weight` `[N]` is the position weight over the reduction's divisor; it gets the rows as
-    its gradient. On one device (`one_pass`).
+    its gradient.
     """
     impl = resolve_impl(backend, hidden.dtype)
     _check_x64(hidden)
+    mesh_args = _mesh_args(mesh, vocab_axis, data_axis)
     targets = _xla_targets(targets, item_weight.shape[0])
     out = xla_weighted_sum(hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight, block_v,
-                           compute_metrics, impl, *focal_args(focal))
+                           compute_metrics, impl, *mesh_args, *focal_args(focal))
     return out[0], out[1]
 
 
@@ -316,12 +345,7 @@ def cut_bce_rows(
     """
     impl = resolve_impl(backend, hidden.dtype)
     _check_x64(hidden)
-    mesh_args = ([], "", "", "")
-    if mesh is not None:
-        device_ids = np.asarray(mesh.device_ids).ravel()
-        if not np.array_equal(device_ids, np.arange(device_ids.size)):
-            raise ValueError(f"mesh.device_ids must be 0..n-1 in order, got {mesh.device_ids}")
-        mesh_args = (list(mesh.mesh_shape), ",".join(mesh.axis_names), _join(vocab_axis), _join(data_axis))
+    mesh_args = _mesh_args(mesh, vocab_axis, data_axis)
     targets = _xla_targets(targets, item_weight.shape[0])
     return xla_rows(
         hidden, item_weight, targets, bias, class_weight, pos_weight, block_v, compute_metrics, impl, *mesh_args,

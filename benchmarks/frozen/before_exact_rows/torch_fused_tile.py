@@ -37,7 +37,7 @@ dz goes to a second buffer, not back into z: asked to overwrite its input, induc
 allocated a temporary tile and copied it back (a second pass and a second tile) or, with the counts
 in the same function, scheduled the count's read of z after the store (it counted dz > 0). With a
 distinct `out` it writes dz in the same loop that reads z. The counts are a separate read-only
-pass, taken only when metrics are asked for. tests/test_fast_paths.py checks every compiled
+pass, taken only when metrics are asked for. tests/test_l1_fast_paths.py checks every compiled
 function against its eager twin.
 
 `compile_seconds()` reports what the first call of each compiled function cost in this process

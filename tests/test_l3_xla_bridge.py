@@ -12,7 +12,7 @@ import torch_xla.debug.metrics as xla_metrics  # noqa: E402
 
 import jax_kernels  # noqa: E402
 import torch_cutbce as tc  # noqa: E402
-from parity import assert_close  # noqa: E402
+from parity import assert_close, jax_x64  # noqa: E402
 from torch_cutbce import xla_bridge  # noqa: E402
 
 pytestmark = pytest.mark.xla
@@ -94,10 +94,22 @@ def test_bridge_forced_pallas_interpret_matches_native(reduction):
 
 
 def test_bridge_float64_matches_oracle_to_1e10():
-    bridge = _run(_inputs(torch.float64), torch_xla.device(), OPTIONS["all"], "none", "auto")
+    # float64 on XLA needs JAX's x64 mode: on for this case only, thread-locally, as users switch it
+    # (the session runs with it off). Autograd runs the XLA backward on its own thread, where the
+    # context does not hold: the bridge lowers its backward in the forward's mode ('none' has one).
+    with jax_x64("float64"):
+        bridge = _run(_inputs(torch.float64), torch_xla.device(), OPTIONS["all"], "none", "auto")
     truth = _run(_inputs(torch.float64), "cpu", OPTIONS["all"], "none", "dense")
     for key in bridge:
         assert_close(bridge[key], truth[key], dtype="float64", name=key)
+
+
+def test_bridge_float64_without_x64_is_a_clear_error():
+    """With x64 off (JAX's default), float64 tensors on XLA raise instead of running in float32."""
+    inputs = _inputs(torch.float64)
+    with pytest.raises(TypeError, match="jax_enable_x64"):
+        tc.cut_bce_with_logits(inputs["hidden"].to(torch_xla.device()), inputs["item_weight"].to(torch_xla.device()),
+                               inputs["targets"].to(torch_xla.device()), block_v=BLOCK_V)
 
 
 def test_bridge_matches_jax_on_the_same_inputs():

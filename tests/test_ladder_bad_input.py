@@ -53,6 +53,10 @@ if HAVE_JAX:
     FUNCTIONS["jax-dense"] = (jax_kernels.dense_cut_bce, {})
 
 
+# 64-bit dtypes: JAX arrays have them only with x64 on (the session runs with it off, as users do).
+WIDE_DTYPES = ("int64", "uint64", "float64", "complex128")
+
+
 @dataclasses.dataclass(frozen=True)
 class Zeros:
     """An array each framework builds itself (numpy has no float8 or bfloat16 that torch takes)."""
@@ -65,8 +69,11 @@ def convert(entry, value, dtype=None):
     """numpy -> the entry's framework (JAX entries take numpy as is: they convert it themselves)."""
     torch_side = entry.startswith("torch")
     if isinstance(value, Zeros):
-        return torch.zeros(value.shape, dtype=getattr(torch, value.dtype)) if torch_side else \
-            jnp.zeros(value.shape, getattr(jnp, value.dtype))
+        if torch_side:
+            return torch.zeros(value.shape, dtype=getattr(torch, value.dtype))
+        if value.dtype in WIDE_DTYPES and not jax.config.jax_enable_x64:
+            return np.zeros(value.shape, value.dtype)  # a JAX array cannot hold it with x64 off: numpy can
+        return jnp.zeros(value.shape, getattr(jnp, value.dtype))
     if not isinstance(value, np.ndarray):
         return value
     is_float = value.dtype.kind == "f"
@@ -147,7 +154,7 @@ CASES = {
         rf"hidden must be a floating-point array of dtype {FLOATS}, got dtype int32"),
     "integer-item_weight": ({"item_weight": np.zeros((7, 4), np.int32)}, TypeError,
         rf"item_weight must be a floating-point array of dtype {FLOATS}, got dtype int32"),
-    # (hidden and item_weight of different float dtypes are valid: promoted, tests/test_torch_toolchain.py)
+    # (hidden and item_weight of different float dtypes are valid: promoted, tests/test_l1_torch_toolchain.py)
     "integer-weight": ({"weight": np.ones((2, 3), np.int32)}, TypeError,
         rf"weight must be a floating-point array of dtype {FLOATS}, got dtype int32"),
     "complex-bias": ({"bias": Zeros((7,), "complex64")}, TypeError,
@@ -296,10 +303,13 @@ def test_jax_traced_int64_ids_compare_in_int64():
     """With x64 on, a traced int64 id -2**32 + 5 is padding (not item 5) and 2**32 + 5 is ignored like padding."""
     base, far_padding = _padding_cases()
     far_padding[1, 1, 1] = 2**32 + 5
-    arguments = {k: jnp.asarray(v) for k, v in good_arguments().items()}
-    fn = jax.jit(jax_kernels.cut_bce, static_argnames=("reduction", "impl"))
-    got = fn(arguments["hidden"], arguments["item_weight"], jnp.asarray(far_padding), reduction="none", impl="blocked")
-    want = fn(arguments["hidden"], arguments["item_weight"], jnp.asarray(base), reduction="none", impl="blocked")
+    with enable_x64(True):  # the session runs with x64 off; int64 arrays exist in JAX only with it on
+        arguments = {k: jnp.asarray(v) for k, v in good_arguments().items()}
+        fn = jax.jit(jax_kernels.cut_bce, static_argnames=("reduction", "impl"))
+        targets = jnp.asarray(far_padding)
+        assert targets.dtype == jnp.int64
+        got = fn(arguments["hidden"], arguments["item_weight"], targets, reduction="none", impl="blocked")
+        want = fn(arguments["hidden"], arguments["item_weight"], jnp.asarray(base), reduction="none", impl="blocked")
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
@@ -309,9 +319,16 @@ def test_bias_of_another_float_dtype(entry):
     rng = np.random.default_rng(3)
     bias = rng.normal(size=7)
     want, _ = run("torch-native", {**good_arguments(), "bias": bias.astype(f32)})
-    got, dtypes = run(entry, {**good_arguments(), "bias": bias, "weight": np.ones((2, 3))})
+    arguments = {**good_arguments(), "bias": bias, "weight": np.ones((2, 3))}
+    jax_entry = entry.startswith("jax")
+    with enable_x64(True) if jax_entry else contextlib.nullcontext():  # a float64 JAX array needs x64
+        got, dtypes = run(entry, arguments)
     assert dtypes == {"loss": "float32", "d_hidden": "float32", "d_item_weight": "float32", "d_bias": "float64"}
     assert_close(got, want, dtype="float32", name=entry)
+    if jax_entry:  # x64 off (JAX's default): JAX takes the float64 bias as float32, its gradient too
+        got, dtypes = run(entry, arguments)
+        assert dtypes == {"loss": "float32", "d_hidden": "float32", "d_item_weight": "float32", "d_bias": "float32"}
+        assert_close(got, want, dtype="float32", name=f"{entry} x64 off")
 
 
 @pytest.mark.parametrize("entry", ENTRIES)
@@ -321,7 +338,7 @@ def test_half_inputs_give_a_float32_loss_and_half_gradients(entry, dtype):
     out, dtypes = run(entry, arguments, dtype=dtype)
     assert dtypes == {"loss": "float32", "d_hidden": dtype, "d_item_weight": dtype, "d_bias": dtype}
     want, _ = run("torch-dense", arguments, dtype=dtype)  # float32 logits of the same half inputs
-    assert abs(out["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"])
+    assert_close(out["loss"], want["loss"], dtype="float32", name=f"{entry} {dtype} loss")
 
 
 @pytest.mark.jax
@@ -366,7 +383,8 @@ def test_unknown_backend(entry, name, value):
 @pytest.mark.jax
 def test_pallas_refuses_float64():
     arguments = {k: v.astype(np.float64) if v.dtype == np.float32 else v for k, v in good_arguments().items()}
-    with pytest.raises(TypeError, match=r"impl='pallas' supports float32 and bfloat16 inputs, got float64"):
+    # x64 on: without it JAX itself turns the float64 inputs into float32, which Pallas takes.
+    with enable_x64(True), pytest.raises(TypeError, match=r"impl='pallas' supports float32 and bfloat16 inputs, got float64"):
         jax_kernels.cut_bce(*arguments.values(), impl="pallas")
 
 

@@ -100,6 +100,18 @@ def test_every_variant_lowers(dtype):
             assert [t.count(TPU_CALL) for t in texts] == [1, 2, 2], options
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: jnp.dtype(t).name)
+def test_lowers_under_x64(dtype):
+    """The session runs with x64 off, as users do; with x64 on, the kernels must still lower (their
+    constants and indices are typed: Python floats and ints would become float64 / int64)."""
+    from jax.experimental import enable_x64
+
+    with enable_x64(True):
+        texts = lower_all(300, 1000, 72, dtype, BlockSizes(block_n=128, block_v=256), bias=True,
+                          class_weight=True, pos_weight=True, num_slots=5, compute_counts=True)
+    assert [t.count(TPU_CALL) for t in texts] == [1, 2, 2]
+
+
 @pytest.mark.parametrize("chip", ["v5p", "v7", None])
 def test_other_chips_and_portable_default_lower(chip):
     """v5p and v7 budgets, and chip=None (no TPU here: the portable table row)."""

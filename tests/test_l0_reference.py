@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from parity import OPTION_SETS, REDUCTIONS, assert_close, make_inputs, make_upstream, run_jax, run_torch, select
+from parity import (
+    OPTION_SETS, REDUCTIONS, assert_close, jax_x64, make_inputs, make_upstream, run_jax, run_torch, select,
+)
 from torch_cutbce import dense_bce_with_logits, ids_to_multi_hot
 
 # The JAX reference needs the [jax] extra: without jax the cases marked `jax` skip (conftest.py) and
@@ -138,7 +140,8 @@ def test_torch_dense_matches_jax_dense(options, reduction):
 def test_multi_hot_references_agree():
     targets = make_inputs((4, 3), 9, 2, 5, seed=3)["targets"]
     dense_torch = ids_to_multi_hot(torch.tensor(targets), 9, dtype=torch.float64)
-    dense_jax = multi_hot(jnp.asarray(targets), 9, jnp.float64)
+    with jax_x64("float64"):
+        dense_jax = multi_hot(jnp.asarray(targets), 9, jnp.float64)
     np.testing.assert_array_equal(dense_torch.numpy(), np.asarray(dense_jax))
     # duplicates count once; -1 and -7 are padding; row 0 has no positives
     assert dense_torch.max() == 1 and dense_torch[0, 0].sum() == 0
@@ -158,3 +161,25 @@ def test_assert_close_reports_the_error_where_and_all_three_values():
     assert_close(np.array([np.nan, np.inf]), np.array([np.nan, np.inf]), dtype="float64", name="ok")
     with pytest.raises(AssertionError, match="relative error inf"):
         assert_close(np.array([np.nan, 1.0]), np.array([0.0, 1.0]), dtype="float64", name="x")
+
+
+def test_assert_close_elementwise_holds_each_entry_to_its_own_value():
+    truth = np.array([1.0, 1e-12])
+    off = truth + np.array([0.0, 1e-14])  # 1e-14 absolute: nothing next to 1, 1% of the small entry
+    assert_close(off, truth, dtype="float32", name="normwise")
+    with pytest.raises(AssertionError, match=r"x \[float32\]: relative error 1.000e-02 > 1e-05 at index \(1,\)"):
+        assert_close(off, truth, dtype="float32", name="x", elementwise=True)
+    # float16 follows the half-dtype rule, with the same tolerance as bfloat16
+    assert_close(truth + 1e-3, truth + 4e-3, truth, dtype="float16", name="ok")
+
+
+@pytest.mark.jax
+def test_jax_x64_is_off_in_the_session_and_on_only_inside_a_float64_case():
+    import jax
+
+    assert not jax.config.jax_enable_x64  # JAX's default, what users run (conftest.py sets nothing)
+    with jax_x64("float32"):
+        assert jnp.asarray(np.zeros(2)).dtype == jnp.float32
+    with jax_x64("float64"):
+        assert jnp.asarray(np.zeros(2)).dtype == jnp.float64
+    assert not jax.config.jax_enable_x64

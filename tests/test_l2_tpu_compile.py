@@ -16,7 +16,6 @@ compile, 1.3 s at most); with the fourth, 4 min 4 s in one run (the other core b
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ import pytest
 pytest.importorskip("jax", reason="needs jax: pip install 'torch-cutbce[jax]' (and .venv/libtpu-overlay: ci/setup.sh)")
 
 import _tpu_compile_worker as worker  # noqa: E402
+from jax_kernels import tpu_compile  # noqa: E402
 
 pytestmark = pytest.mark.tpu_compile
 
@@ -39,11 +39,7 @@ PROGRAMS = ("forward", "backward", "value_and_grad", "cut_bce_value_and_grad")
 def records(tmp_path_factory):
     assert (OVERLAY / "libtpu").is_dir(), f"{OVERLAY} is missing: run ci/setup.sh"
     out = tmp_path_factory.mktemp("tpu_compile") / "records.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(OVERLAY), str(ROOT), str(TESTS)]))
-    # libtpu takes /tmp/libtpu_lockfile to guard a real chip; a compile-only client guards nothing,
-    # and without this a second compile-only process on the host (another test run) fails to start.
-    env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
-    env.pop("JAX_PLATFORMS", None)
+    env = tpu_compile.child_env(TESTS)  # the overlay, the root and tests/ on PYTHONPATH
     proc = subprocess.run([sys.executable, str(TESTS / "_tpu_compile_worker.py"), str(out)],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"

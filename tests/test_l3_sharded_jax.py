@@ -1,4 +1,4 @@
-"""`jax_kernels.sharded.cut_bce_sharded` on simulated meshes equals the single-device `cut_bce`.
+"""`jax_kernels.cut_bce(..., mesh=)` on simulated meshes equals the single-device `cut_bce`.
 
 The multi-device checks need 8 CPU devices, fixed when JAX's backend starts, so they run once in a
 subprocess (`_sharded_worker.py`, launched with the device count set) and the tests here assert on
@@ -27,9 +27,9 @@ import numpy as np  # noqa: E402
 
 import _sharded_worker as worker  # noqa: E402
 import jax_kernels  # noqa: E402
-from jax_kernels.sharded import ShardedLayout, cut_bce_sharded, infer_mesh  # noqa: E402
+from jax_kernels.sharded import ShardedLayout, infer_mesh  # noqa: E402
 from jax_kernels.core import CutBCEConfig  # noqa: E402
-from parity import TOLERANCES, assert_close  # noqa: E402
+from parity import TOLERANCES, assert_close, jax_x64  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 TOL = TOLERANCES["float32"]
@@ -119,7 +119,14 @@ def _inputs(dtype=np.float32):
     return {k: (v.astype(dtype) if v.dtype.kind == "f" else v) for k, v in inputs.items()}
 
 
-def test_one_device_mesh_float64_matches_cut_bce():
+@pytest.fixture
+def x64():
+    """JAX's x64 mode for one float64 test (the session runs with it off)."""
+    with jax_x64("float64"):
+        yield
+
+
+def test_one_device_mesh_float64_matches_cut_bce(x64):
     inputs = _inputs(np.float64)
     mesh = jax.make_mesh((1, 1), ("data", "model"))
     kwargs = dict(weight=inputs["weight"], class_weight=jnp.asarray(inputs["class_weight"]),
@@ -136,7 +143,7 @@ def test_one_device_mesh_float64_matches_cut_bce():
         (_, aux), grads = jax.jit(jax.value_and_grad(scalar, (0, 1, 2), has_aux=True))(args[0], args[1], args[3])
         return aux, grads
 
-    (sharded_loss, sharded_metrics), sharded_grads = run(cut_bce_sharded, mesh=mesh, impl="blocked")
+    (sharded_loss, sharded_metrics), sharded_grads = run(jax_kernels.cut_bce, mesh=mesh, impl="blocked")
     (loss, metrics), grads = run(jax_kernels.cut_bce, impl="blocked")
     assert_close(sharded_loss, loss, dtype="float64", name="loss")
     for name, a, b in zip(worker.METRICS, sharded_metrics, metrics):
@@ -150,15 +157,15 @@ def test_argument_errors():
     args = (inputs["hidden"], inputs["item_weight"], inputs["targets"])
     mesh = jax.make_mesh((1, 1), ("data", "model"))
     with pytest.raises(ValueError, match="vocab_axis='vocab' is not an axis of the mesh"):
-        cut_bce_sharded(*args, mesh=mesh, vocab_axis="vocab")
+        jax_kernels.cut_bce(*args, mesh=mesh, vocab_axis="vocab")
     with pytest.raises(ValueError, match="share mesh axes"):
-        cut_bce_sharded(*args, mesh=mesh, vocab_axis="model", data_axis=("data", "model"))
-    with pytest.raises(ValueError, match="no mesh"):
-        cut_bce_sharded(*args)
+        jax_kernels.cut_bce(*args, mesh=mesh, vocab_axis="model", data_axis=("data", "model"))
+    with pytest.raises(ValueError, match="found no mesh"):
+        jax_kernels.cut_bce(*args, mesh="infer")
     bad = inputs["targets"].copy()
     bad[0, 0] = 53
     with pytest.raises(ValueError, match="item id 53"):
-        cut_bce_sharded(args[0], args[1], bad, mesh=mesh)
+        jax_kernels.cut_bce(args[0], args[1], bad, mesh=mesh)
     with pytest.raises(ValueError, match="not an axis"):
         ShardedLayout(mesh, "model", "batch", CutBCEConfig(block_v=8))
 

@@ -40,39 +40,20 @@ from jax_kernels.pallas_background import (  # noqa: E402
     pallas_background_value_and_grad,
 )
 
-# rows: float32 within 1e-5 of the float64 truth, each row on its own. Gradients: relative to the
-# tensor's largest entry. bfloat16 must be no worse than a dense bfloat16 computation plus this
-# margin (docs/design.md, 'Precision').
-F32_RTOL = 1e-5
-BF16_MARGIN = 1e-3
+from parity import assert_close, jax_x64  # noqa: E402
+
+# The parity rule (tests/parity.py, one tolerance table): float32 rows within the float32 tolerance
+# of the float64 truth, each row on its own (`elementwise`); gradients relative to the tensor's
+# largest entry; bfloat16 no worse than a dense bfloat16 computation plus the bfloat16 tolerance.
 GRADS = ("d_hidden", "d_item_weight", "d_bias")
 
 
-def assert_close(name, fast, truth, rtol, reference=None, *, per_element=False):
-    """Fail with the max error, where it is, and the fast / reference / truth values there.
-
-    The error is `|fast - truth| / max |truth|`, or with `per_element` `|fast - truth| / |truth|`.
-    """
-    fast = np.asarray(fast, np.float64)
-    truth = np.asarray(truth, np.float64)
-    assert fast.shape == truth.shape, f"{name}: shape {fast.shape} != {truth.shape}"
-    scale = np.abs(truth) if per_element else np.max(np.abs(truth))
-    rel = np.abs(fast - truth) / np.maximum(scale, 1e-300)
-    rel = np.where(np.isnan(rel), np.inf, rel)
-    where = np.unravel_index(int(np.argmax(rel)), rel.shape)
-    ref_txt = "" if reference is None else f" reference={np.asarray(reference, np.float64)[where]!r}"
-    assert rel[where] <= rtol, (
-        f"{name}: relative error {rel[where]:.3e} > {rtol:.1e} at {where}: fast={fast[where]!r}"
-        f"{ref_txt} truth={truth[where]!r}"
-    )
-
-
 def assert_rows(name, rows, truth):
-    """float32 rows: each within F32_RTOL of its float64 truth, and never below zero."""
+    """float32 rows: each within the float32 tolerance of its float64 truth, and never below zero."""
     assert rows.dtype == jnp.float32, name
     rows = np.asarray(rows, np.float64)
     assert (rows >= 0).all(), f"{name}: negative rows at {np.flatnonzero(rows < 0)[:5]}"
-    assert_close(name, rows, truth, F32_RTOL, per_element=True)
+    assert_close(rows, truth, dtype="float32", name=name, elementwise=True)
 
 
 def oracle(hidden, item_weight, bias, class_weight, pos_weight, ids, g):
@@ -206,7 +187,7 @@ def check_float32(name, inputs, block_sizes, band, engine):
             assert got is None
             continue
         assert got.dtype == jnp.float32, key
-        assert_close(f"{name}/{key}", got, truth[key], F32_RTOL)
+        assert_close(got, truth[key], dtype="float32", name=f"{name}/{key}")
     return truth
 
 
@@ -247,10 +228,18 @@ def test_confident_positives_exact_per_row(pos_weight, engine):
     assert confident.min() < 1e-16 and truth["abs_z"][::2].min() >= 10.0
 
 
+@pytest.mark.parametrize("x64", [False, True], ids=["x64_off", "x64_on"])
 @pytest.mark.parametrize("engine", ENGINES)
-def test_single_item_confident_positive(engine):
+def test_single_item_confident_positive(engine, x64):
     """V = 1: the item is a positive at z = 31 (row loss softplus(-31) = 3.4e-14), a negative at
-    z = -31, and a positive predicted wrong at z = -5; exact f32 logits (30 + bias 1)."""
+    z = -31, and a positive predicted wrong at z = -5; exact f32 logits (30 + bias 1). The session
+    runs with x64 off (as users do); x64_on checks the kernels keep float32 / int32 under x64 too
+    (typed constants: Python floats and ints would widen)."""
+    with jax_x64("float64" if x64 else "float32"):
+        _check_single_item(engine)
+
+
+def _check_single_item(engine):
     hidden = np.zeros((3, 8), np.float32)
     hidden[:, 0] = [30.0, -32.0, -6.0]
     item_weight = np.zeros((1, 8), np.float32)
@@ -269,8 +258,8 @@ def test_single_item_confident_positive(engine):
         np.testing.assert_array_equal(hits, [1, 0, 0])
         for key, got in zip(GRADS, grads):  # element by element: the gradients span 1e-14..1
             nonzero = truth[key] != 0
-            assert_close(f"single/{key}", np.asarray(got)[nonzero], truth[key][nonzero],
-                         F32_RTOL, per_element=True)
+            assert_close(np.asarray(got)[nonzero], truth[key][nonzero], dtype="float32", name=f"single/{key}",
+                         elementwise=True)
 
 
 def dense_bf16(hidden, item_weight, bias, class_weight, pos_weight, ids, g):
@@ -297,9 +286,7 @@ def test_bfloat16_no_worse_than_dense_bfloat16(d, engine):
     dense = dense_bf16(*inputs)
     for key, got, ref in zip(("rows", *GRADS), (rows, *grads), dense):
         assert got.dtype == (jnp.bfloat16 if key == "d_item_weight" else jnp.float32), key
-        want = truth[key]
-        ref_err = np.abs(np.asarray(ref, np.float64) - want).max() / np.abs(want).max()
-        assert_close(f"bf16/{key}", got, want, ref_err + BF16_MARGIN, reference=ref)
+        assert_close(got, ref, truth[key], dtype="bfloat16", name=f"bf16/{key}")
     check_counts("bf16", dict(predicted=predicted, hits=hits), truth, band=1e-3)
 
 
@@ -316,8 +303,8 @@ def test_default_block_sizes_and_eager_call():
                                                                  pw, ids, g)
     assert d_bias is None
     truth = oracle(hidden, item_weight, None, cw, pw, ids, g)
-    assert_close("default/d_hidden", d_hidden, truth["d_hidden"], F32_RTOL)
-    assert_close("default/d_item_weight", d_item_weight, truth["d_item_weight"], F32_RTOL)
+    assert_close(d_hidden, truth["d_hidden"], dtype="float32", name="default/d_hidden")
+    assert_close(d_item_weight, truth["d_item_weight"], dtype="float32", name="default/d_item_weight")
     no_slots = np.zeros((70, 0), np.int32)
     _, predicted, hits = pallas_background_forward(hidden, item_weight, bias, cw, pw, no_slots,
                                                    compute_counts=True)
@@ -329,7 +316,7 @@ def test_default_block_sizes_and_eager_call():
         hidden, item_weight, None, cw, pw, no_slots, g, compute_counts=False)
     assert predicted is None and hits is None and d_bias is None
     assert_rows("default/one_pass/rows", rows, truth["rows"])
-    assert_close("default/one_pass/d_hidden", d_hidden, truth["d_hidden"], F32_RTOL)
+    assert_close(d_hidden, truth["d_hidden"], dtype="float32", name="default/one_pass/d_hidden")
 
 
 def test_bad_inputs_raise():
@@ -404,12 +391,14 @@ def test_default_block_sizes_fit_the_chip(chip):
 
 CALL_JAX_SCRIPT = textwrap.dedent(
     """
-    import os
+    import os, sys
     os.environ.setdefault("PJRT_DEVICE", "CPU")
+    sys.path.insert(0, "tests")  # parity (the one tolerance table); the cwd is the repository root
     import torch  # torch and torch_xla before jax
     import torch_xla
     import torch_xla.core.xla_builder as xb
     import numpy as np
+    from parity import assert_close
     from jax_kernels.block_sizes import BlockSizes
     from jax_kernels.pallas_background import (
         pallas_background_backward, pallas_background_forward)
@@ -447,10 +436,8 @@ CALL_JAX_SCRIPT = textwrap.dedent(
     pairs = [(rows, (np.logaddexp(0, zs) * wgt).sum(1)), (predicted, (z > 0).sum(1)),
              (hits, (y & (z > 0)).sum(1)), (grads[0], dz @ w), (grads[1], dz.T @ h),
              (grads[2], dz.sum(0))]
-    for got, want in pairs:
-        got = got.cpu().numpy().astype(np.float64)
-        rel = np.abs(got - want).max() / np.abs(want).max()
-        assert rel < 1e-5, rel
+    for i, (got, want) in enumerate(pairs):
+        assert_close(got.cpu().numpy(), want, dtype="float32", name=f"call_jax output {i}")
     print("CALL_JAX_OK")
     """
 )

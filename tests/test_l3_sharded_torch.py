@@ -16,13 +16,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import torch_cutbce as tc
-from parity import TOLERANCES, assert_close
+from parity import TOLERANCES, assert_close, make_inputs, make_upstream, run_torch, select
 from torch_cutbce.vocab_parallel import VocabParallelOptions
 
 TESTS = Path(__file__).resolve().parent
@@ -99,6 +100,27 @@ def test_sharded_bridge_without_bias_after_calls_with_bias(xla_report):
     """torch_xla 2.9's call_jax unflattens every cached variant with the latest trace's output tree."""
     errors = xla_report["no_bias_after_bias"]["errors"]
     assert max(errors.values()) <= TOL, errors
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_mesh_bridge_scalar_losses_take_one_pass(xla_report, reduction):
+    """`cut_bce_with_logits(mesh=)` on a 2 x 2 mesh, every option on (a non-uniform weight with zeros):
+    the loss, metrics and gradients match the float64 oracle, and 'mean' / 'sum' compute their
+    gradients in the loop that computes the loss (cutbce::xla_weighted_sum over
+    sharded_value_and_grad): one tile loop in the program, where 'none' has a forward and a backward."""
+    report = xla_report["one_pass"]
+    n, v, d, slots = report["shape"]
+    inputs = select(make_inputs((n,), v, d, slots, seed=report["seed"]), dtype="float32")
+    upstream = make_upstream(reduction, (n,), seed=report["seed"], dtype="float32")
+    truth = run_torch(tc.dense_bce_with_logits, inputs, dtype="float64", upstream=upstream, reduction=reduction)
+    result = report[reduction]
+    fast = {k: np.asarray(x) for k, x in result["results"].items()}
+    assert_close(fast, truth, dtype="float32", name=f"mesh 2x2 {reduction}")
+    hlo = result["hlo"]
+    assert hlo["modules"] == 1 and hlo["gathered_shapes"] == [], hlo
+    assert hlo["while_loops"] == (2 if reduction == "none" else 1), hlo
+    assert set(hlo["collectives"]) == {"all-reduce"}, hlo
 
 
 # ---- torch.distributed vocabulary parallelism ----------------------------------------------

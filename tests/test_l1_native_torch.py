@@ -1,7 +1,7 @@
 """Rung L1 (torch): the native chunked autograd.Function against the float64 dense oracle.
 
 The oracle is `dense_bce_with_logits` (torch's binary_cross_entropy_with_logits on materialized
-logits, pinned down in test_reference.py) run in float64 on the very values the fast path sees.
+logits, pinned down in test_l0_reference.py) run in float64 on the very values the fast path sees.
 Every comparison covers the loss, every gradient autograd is asked for (with a random,
 non-uniform upstream gradient) and the TP/FP/FN/TN counts.
 """
@@ -163,6 +163,115 @@ def test_module_buffers_follow_to_and_state_dict():
     args = (t["hidden"].double(), t["item_weight"].double(), t["targets"])
     torch.testing.assert_close(fresh(*args), module(*args), rtol=1e-10, atol=0)
     assert CutBCEWithLogitsLoss().state_dict() == {}  # None buffers are not saved
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A gloo group of one rank in this process: enough for vocab_parallel to run its all_reduces."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_module_with_vocab_parallel_equals_the_function(one_rank_group, reduction):
+    from torch_cutbce.vocab_parallel import VocabParallelOptions
+
+    t = _tensors(make_inputs(LEAD_SHAPE, NUM_ITEMS, HIDDEN_SIZE, NUM_SLOTS, seed=14))
+    options = VocabParallelOptions.even(NUM_ITEMS)
+    g = torch.tensor(make_upstream(reduction, LEAD_SHAPE, seed=14))
+
+    def loss_and_grads(fn):
+        leaves = {k: t[k].clone().requires_grad_() for k in ("hidden", "item_weight", "bias")}
+        loss, metrics = fn(leaves["hidden"], leaves["item_weight"], t["targets"], leaves["bias"], t["weight"])
+        grads = torch.autograd.grad(loss, list(leaves.values()), g)
+        return {"loss": loss, **metrics._asdict(), **{f"d_{k}": d for k, d in zip(leaves, grads)}}
+
+    module = CutBCEWithLogitsLoss(reduction, pos_weight=t["pos_weight"], class_weight=t["class_weight"],
+                                  block_v=BLOCK_V, return_metrics=True, vocab_parallel=options)
+    assert f"vocab_parallel=VocabParallelOptions(start=0, stop={NUM_ITEMS}, num_items={NUM_ITEMS})" in repr(module)
+    got = loss_and_grads(module)
+    expected = loss_and_grads(lambda h, w, ids, b, wt: cut_bce_with_logits(
+        h, w, ids, b, weight=wt, class_weight=t["class_weight"], pos_weight=t["pos_weight"], reduction=reduction,
+        return_metrics=True, block_v=BLOCK_V, vocab_parallel=options))
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), key
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_vocab_parallel_scalar_losses_take_one_pass(one_rank_group, monkeypatch, reduction):
+    """'sum' / 'mean' with vocab_parallel compute each rank's gradients in its forward: the rows
+    engine and its tile-recomputing backward never run, and the result equals one process's."""
+    from torch_cutbce import native
+    from torch_cutbce.vocab_parallel import VocabParallelOptions
+
+    t = _tensors(make_inputs(LEAD_SHAPE, NUM_ITEMS, HIDDEN_SIZE, NUM_SLOTS, seed=15))
+
+    def loss_and_grads(**options):
+        leaves = {k: t[k].clone().requires_grad_() for k in ("hidden", "item_weight", "bias", "weight")}
+        loss, metrics = cut_bce_with_logits(
+            leaves["hidden"], leaves["item_weight"], t["targets"], leaves["bias"], weight=leaves["weight"],
+            class_weight=t["class_weight"], pos_weight=t["pos_weight"], reduction=reduction, return_metrics=True,
+            block_v=BLOCK_V, **options)
+        (loss * 0.75).backward()
+        return {"loss": loss, **metrics._asdict(), **{f"d_{k}": x.grad for k, x in leaves.items()}}
+
+    expected = loss_and_grads()
+
+    def two_passes(*args, **kwargs):
+        raise AssertionError("vocab_parallel 'sum' / 'mean' ran the rows engine (two passes)")
+
+    monkeypatch.setattr(native, "rows_forward", two_passes)
+    monkeypatch.setattr(native, "rows_backward", two_passes)
+    got = loss_and_grads(vocab_parallel=VocabParallelOptions.even(NUM_ITEMS))
+    assert_close(got, expected, dtype="float64", name=f"vocab_parallel {reduction}")
+
+
+class _Mesh:
+    """Stands in for a torch_xla SPMD Mesh (what the module reads of one: axis names, shape, device ids)."""
+
+    axis_names = ("data", "model")
+    mesh_shape = (1, 1)
+    device_ids = np.arange(1)
+
+
+def test_module_passes_the_mesh_through():
+    t = _tensors(make_inputs(LEAD_SHAPE, NUM_ITEMS, HIDDEN_SIZE, NUM_SLOTS, seed=15))
+    args = (t["hidden"], t["item_weight"], t["targets"])
+    module = CutBCEWithLogitsLoss(mesh=_Mesh(), vocab_axis="model", data_axis=None)
+    assert "mesh=Mesh((1, 1), ('data', 'model')), vocab_axis='model', data_axis=None" in repr(module)
+    # On CPU tensors the mesh reaches the function, which refuses it with its own message.
+    with pytest.raises(ValueError, match="mesh= runs under torch_xla SPMD") as from_function:
+        cut_bce_with_logits(*args, mesh=_Mesh(), vocab_axis="model", data_axis=None)
+    with pytest.raises(ValueError, match="mesh= runs under torch_xla SPMD") as from_module:
+        module(*args)
+    assert str(from_module.value) == str(from_function.value)
+
+
+def test_module_checks_its_parallel_options_when_built():
+    from torch_cutbce.vocab_parallel import VocabParallelOptions
+
+    options = VocabParallelOptions(0, NUM_ITEMS, NUM_ITEMS)
+    with pytest.raises(ValueError, match=r"mesh= runs under torch_xla SPMD and needs XLA tensors, got backend='native'"):
+        CutBCEWithLogitsLoss(mesh=_Mesh(), backend="native")
+    with pytest.raises(ValueError, match=r"vocab_axis='items' is not an axis of the mesh"):
+        CutBCEWithLogitsLoss(mesh=_Mesh(), vocab_axis="items")
+    with pytest.raises(ValueError, match=r"share mesh axes \['data'\]"):
+        CutBCEWithLogitsLoss(mesh=_Mesh(), vocab_axis="data", data_axis="data")
+    with pytest.raises(TypeError, match="mesh must be a torch_xla.distributed.spmd.Mesh, got tuple"):
+        CutBCEWithLogitsLoss(mesh=(2, 2))
+    with pytest.raises(ValueError, match=r"vocab_parallel= runs the native engine .* got backend='dense'"):
+        CutBCEWithLogitsLoss(vocab_parallel=options, backend="dense")
+    with pytest.raises(TypeError, match="vocab_parallel must be a VocabParallelOptions or None, got tuple"):
+        CutBCEWithLogitsLoss(vocab_parallel=(0, NUM_ITEMS, NUM_ITEMS))
+    with pytest.raises(ValueError, match="exclude each other"):
+        CutBCEWithLogitsLoss(mesh=_Mesh(), vocab_parallel=options)
 
 
 # -- switching over from BCEWithLogitsLoss ----------------------------------------------------

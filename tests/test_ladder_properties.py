@@ -252,7 +252,7 @@ def test_pallas_exact_as_dense(jax_kernels, spec):
 @budget(12, shrink=False)
 @given(spec=small_specs(dtypes=JAX_DTYPES, ids="any"), jit=st.booleans(), impl=st.sampled_from(("blocked", "pallas")))
 def test_jax_refuses_bad_input(jax_kernels, spec, jit, impl):
-    assume(impl != "pallas" or spec.dtype != "float64")  # Pallas refuses float64 (tests/test_bad_input.py)
+    assume(impl != "pallas" or spec.dtype != "float64")  # Pallas refuses float64 (tests/test_ladder_bad_input.py)
     mutations = [m for m in JAX_MUTATIONS if not (jit and m in ID_MUTATIONS)]  # traced ids: property C
     check_refused(lambda ex, i, o, m: jax_results(ex, jit=jit, inputs=i, options=o, impl=impl), spec, mutations)
 
@@ -279,10 +279,11 @@ def xla_device():
 
 
 def bridge_results(example, device, **kwargs):
-    """The bridge in the users' JAX configuration: x64 only for float64 (around backward too)."""
-    from jax.experimental import enable_x64
+    """The bridge in the users' JAX configuration: x64 on, thread-locally, only for float64 (the
+    backward, which autograd runs on its own thread, is lowered in the forward's mode)."""
+    from parity import jax_x64
 
-    with enable_x64(example.spec.dtype == "float64"):
+    with jax_x64(example.spec.dtype):
         return torch_results(example, torch_path("xla"), device=device, **kwargs)
 
 
