@@ -195,7 +195,10 @@ def _compiled(name: str, threads: int):
     # no OpenMP at all for 1) but leaves it out of its on-disk cache key, so a kernel compiled in a
     # one-thread process would be served, single-threaded, to every later process. Stated
     # explicitly, it is part of the key (and a new thread count compiles anew).
-    return torch.compile(_FUNCTIONS[name], dynamic=True, fullgraph=True, options={"cpp.threads": threads})
+    # fp-contract: the C++ compiler fuses the polynomials' multiply-adds into FMAs (one rounding
+    # instead of two, so no less exact): about 10% off the tile function (benchmarks/NOTES.md section 7).
+    options = {"cpp.threads": threads, "cpp.enable_floating_point_contract_flag": "fast"}
+    return torch.compile(_FUNCTIONS[name], dynamic=True, fullgraph=True, options=options)
 
 
 class TileCompileWarning(UserWarning):
