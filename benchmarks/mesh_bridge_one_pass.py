@@ -42,7 +42,7 @@ def main(argv=None):
 
     if args.mesh != "none":
         xr.use_spmd()
-    from ablation import interleave
+    from ablation import interleave, report
     from jax_kernels.shapes import tile_width
     from torch_cutbce import cut_bce_with_logits, xla_bridge
     from torch_cutbce.reduction import reduce_rows
@@ -80,12 +80,9 @@ def main(argv=None):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max())), (a, b)
     where = "one XLA:CPU device, no mesh" if mesh is None else (
         f"torch_xla SPMD on {xr.global_runtime_device_count()} XLA:CPU devices, mesh {data} x {model} (data x model)")
-    print(f"{where}; N {n}, V {v}, D {d}, L {args.slots}, block_v {block_v}, 'mean', fwd+bwd")
     medians = interleave({"two passes (before)": lambda: step(two_passes),
                           "one pass (shipped)": lambda: step(one_pass)}, args.rounds)
-    first = medians["two passes (before)"]
-    for name, m in medians.items():
-        print(f"  {name:22s} {m * 1e3:8.1f} ms   x{first / m:5.2f} vs before")
+    report(f"{where}; N {n}, V {v}, D {d}, L {args.slots}, block_v {block_v}, 'mean', fwd+bwd", medians)
     return 0
 
 

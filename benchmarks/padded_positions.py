@@ -18,7 +18,7 @@ import argparse
 import sys
 from unittest import mock
 
-from ablation import interleave
+from ablation import interleave, report
 
 
 def make_batch(batch, length, num_items, hidden_size, padded_fraction, seed=0):
@@ -76,12 +76,10 @@ def main(argv=None):
 
     hidden, items, targets, mask = make_batch(args.batch, args.length, args.num_items, args.hidden_size,
                                               args.padded_fraction)
-    print(f"torch threads {torch.get_num_threads()}; batch {args.batch} x {args.length}, "
-          f"{1 - float(mask.mean()):.0%} padding, V {args.num_items}, D {args.hidden_size}, L 1, 'sum', fwd+bwd")
-    medians = interleave(variants(hidden, items, targets, mask), args.rounds)
-    before = medians["all positions (before)"]
-    for name, m in medians.items():
-        print(f"  {name:30s} {m * 1e3:8.1f} ms   x{before / m:5.2f} vs before")
+    medians = interleave(variants(hidden, items, targets, mask), args.rounds)  # the first: all positions
+    report(f"torch threads {torch.get_num_threads()}; batch {args.batch} x {args.length}, "
+           f"{1 - float(mask.mean()):.0%} padding, V {args.num_items}, D {args.hidden_size}, L 1, 'sum', fwd+bwd",
+           medians)
     return 0
 
 

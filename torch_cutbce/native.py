@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from torch_cutbce import fused_tile, positives
+from torch_cutbce.reduction import weighted_count_sums  # the counts tail, shared with the entries
 
 
 def _tiles(num_items: int, block_v: int):
@@ -208,8 +209,6 @@ def loss_and_grads(hidden, item_weight, bias, weight, class_weight, pos_weight, 
         positives.add_positive_grads(dz_positives, ids, h, item_weight, d_hidden, d_items, d_bias)
     loss = (rows if weight is None else rows * weight.to(acc)).sum() / divisor
     if compute_metrics:
-        from torch_cutbce.reduction import weighted_count_sums  # the counts tail, shared with the entry
-
         counts = weighted_count_sums(_metric_counts(false_positives, logits, ids, num_items), weight)
     else:
         counts = torch.zeros((0,), dtype=torch.float32, device=h.device)

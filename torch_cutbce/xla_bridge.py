@@ -314,6 +314,13 @@ def _mesh_args(mesh, vocab_axis, data_axis) -> tuple:
     return list(mesh.mesh_shape), ",".join(mesh.axis_names), _join(vocab_axis), _join(data_axis)
 
 
+def _op_arguments(hidden, item_weight, targets, backend, mesh, vocab_axis, data_axis) -> tuple:
+    """What both entries below check and convert before their op: `(impl, mesh args, int32 targets)`."""
+    impl = resolve_impl(backend, hidden.dtype)
+    _check_x64(hidden)
+    return impl, _mesh_args(mesh, vocab_axis, data_axis), _xla_targets(targets, item_weight.shape[0])
+
+
 def cut_bce_weighted_sum(hidden, item_weight, bias, class_weight, pos_weight, targets, row_weight, *,
                          block_v, compute_metrics, backend, mesh=None, vocab_axis="model", data_axis="data",
                          focal=None):
@@ -324,10 +331,7 @@ def cut_bce_weighted_sum(hidden, item_weight, bias, class_weight, pos_weight, ta
     `row_weight` `[N]` is the position weight over the reduction's divisor; it gets the rows as
     its gradient.
     """
-    impl = resolve_impl(backend, hidden.dtype)
-    _check_x64(hidden)
-    mesh_args = _mesh_args(mesh, vocab_axis, data_axis)
-    targets = _xla_targets(targets, item_weight.shape[0])
+    impl, mesh_args, targets = _op_arguments(hidden, item_weight, targets, backend, mesh, vocab_axis, data_axis)
     out = xla_weighted_sum(hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight, block_v,
                            compute_metrics, impl, *mesh_args, *focal_args(focal))
     return out[0], out[1]
@@ -343,10 +347,7 @@ def cut_bce_rows(
     ids must be 0..n-1 in order: the JAX side lowers over an AbstractMesh of the same shape and
     axis names, i.e. row-major logical ids), or None for one device.
     """
-    impl = resolve_impl(backend, hidden.dtype)
-    _check_x64(hidden)
-    mesh_args = _mesh_args(mesh, vocab_axis, data_axis)
-    targets = _xla_targets(targets, item_weight.shape[0])
+    impl, mesh_args, targets = _op_arguments(hidden, item_weight, targets, backend, mesh, vocab_axis, data_axis)
     return xla_rows(
         hidden, item_weight, targets, bias, class_weight, pos_weight, block_v, compute_metrics, impl, *mesh_args,
         *focal_args(focal),
