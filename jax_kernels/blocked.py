@@ -1,22 +1,22 @@
-"""CutBCE in pure JAX: a loop over vocabulary tiles, nothing of size N x V.
+"""CutBCE in JAX: a loop over vocabulary tiles, nothing of size N x V.
 
-Each tile computes every element's exact loss and gradient, its positives included. The tile is
-first evaluated as if every item were a negative (`cw softplus(z)`, `g cw sigmoid(z)`), then the
-at most L elements of each row that are positives in this tile are *replaced*, before any sum, by
-their own branch (`cw pw softplus(-z)`, `-g cw pw sigmoid(-z)`, from the same rounded logits):
+Each element's exact loss and gradient comes from its own branch, so a confident positive's tiny
+loss never meets a softplus(z) it would cancel against (docs/design.md, 'The math'):
 
-    rows[n]   = sum_v weight * l[n, v]                count_pos[n] = #{v : z > 0}
-    dz[n, v]  = g[n] weight (+-sigmoid(+-z))          hits[n] = #{positives v : z > 0}
+- **Negatives, tile by tile.** Each logits tile `z = h @ E_t.T (+ b_t)` gets the row's positives
+  set to -inf (`take_out`), then `negative_tile` computes `sum_v w softplus(z)` and
+  `dz = g w sigmoid(z)`, which are 0 at -inf; on the CPU a C kernel does it in one pass and writes
+  dz over z (negative_tile.py).
+- **Positives, once per call** (`_Positives`, O(N L D)): each positive's logit from its own item
+  row, its loss `cw pw softplus(-z)` and gradient `-g cw pw sigmoid(-z)`, added to the rows and to
+  the gradients after the loop.
 
 Focal CutBCE (`focal`): the same two branches with softplus(u) and its slope replaced by focal's
 `term(u)` and `term'(u)` (u = z for a negative, -z at a positive; `positives.focal_terms`), times
-its class balance.
+its class balance. Metrics: the tiles count their negatives with z > 0, the positives their hits.
 
-A replacement, not a subtraction: a confident positive's tiny loss never meets its softplus(z).
-The positives of a tile are a gather and a scatter of O(N L) elements (on XLA:CPU about 4x
-cheaper than a boolean `[N, block_v]` mask: the tile's passes stay as they were). Three loops:
-forward; backward (recomputes each tile: four matmuls per tile in all); and forward-with-gradient
-for a row gradient `g` known up front (scalar reductions: three matmuls).
+Three loops: forward; backward (recomputes each tile: four matmuls per tile in all); and
+forward-with-gradient for a row gradient `g` known up front (scalar reductions: three matmuls).
 
 Ragged last tile without padding the table: tile j starts at min(j * block_v, V - block_v), so the
 last tile is shifted back to end exactly at V; its columns below j * block_v were covered by tile
@@ -32,15 +32,18 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from jax_kernels import negative_tile
 from jax_kernels.positives import accumulation_dtype, element_terms, focal_terms, log1p_unit
 
 
 class _Table:
     """The operands every tile reads: `h` in the accumulation dtype, the table and its `[V]` rows."""
 
-    def __init__(self, hidden, item_weight, bias, class_weight, pos_weight, ids, block_v, focal=None):
+    def __init__(self, hidden, item_weight, bias, class_weight, pos_weight, ids, block_v, focal=None,
+                 cpu_kernel=True):
         self.acc = accumulation_dtype(hidden.dtype)
         self.focal = focal
+        self.negatives = negative_tile.NegativeTile(focal, cpu_kernel)
         self.h = hidden.astype(self.acc)
         self.item_weight, self.ids = item_weight, ids
         self.bias, self.class_weight, self.pos_weight = (
@@ -52,11 +55,10 @@ class _Table:
         self.rows = jnp.broadcast_to(jnp.arange(ids.shape[0])[:, None], ids.shape)
 
     def tile(self, j):
-        """Tile j: `(z [N, bv], weight [bv], start, items, positives)`.
+        """Tile j: `(z [N, bv], weight [bv], start, items)`, z with the tile's positives at -inf.
 
         `weight` is the class weight on the columns this tile owns, 0 on the overlap of a shifted
-        last tile. `positives` is `(column [N, L], z_pos, weight_pos, pw_pos)`: each row's
-        positives in this tile, columns out of the tile (bv: scatters drop them) weighted 0.
+        last tile.
         """
         bv = self.block_v
         start = jnp.minimum(j * bv, self.num_items - bv)
@@ -67,27 +69,54 @@ class _Table:
         weight = (start + jnp.arange(bv) >= j * bv).astype(self.acc)
         if self.class_weight is not None:
             weight = weight * lax.dynamic_slice_in_dim(self.class_weight, start, bv)
-        local = self.ids - start
-        inside = (local >= 0) & (local < bv)
-        gather_at = jnp.where(inside, local, 0)
-        z_pos = z[self.rows, gather_at]
-        weight_pos = jnp.where(inside, weight[gather_at], 0)
-        pw_pos = 1 if self.pos_weight is None else lax.dynamic_slice_in_dim(self.pos_weight, start, bv)[gather_at]
-        return z, weight, start, items, (jnp.where(inside, local, bv), z_pos, weight_pos, pw_pos)
+        local = self.ids - start  # padding (-1) and other tiles' ids fall outside [0, bv): dropped
+        column = jnp.where((local >= 0) & (local < bv), local, bv)
+        z = z.at[self.rows, column].set(-jnp.inf, mode="drop")
+        return z, weight, start, items
 
-    def replace(self, tile_values, column, values):
-        """`tile_values` with each row's positives set to `values` `[N, L]` (out-of-tile columns dropped)."""
-        return tile_values.at[self.rows, column].set(values, mode="drop")
+    def fresh_counts(self, z, start, j):
+        """`[N]`: the negatives with z > 0 among the columns this tile owns."""
+        fresh = start + jnp.arange(self.block_v) >= j * self.block_v
+        return ((z > 0) & fresh).astype(jnp.float32).sum(-1)
 
 
-def _negative_terms(z, focal):
-    """`(loss, slope)` of every element as if it were a negative: `(softplus(z), sigmoid(z))`, or
-    with focal `ns * (term(z), term'(z))` (jax_kernels/focal.py, ns its negative_scale)."""
-    e = jnp.exp(-jnp.abs(z))
-    if focal is None:
-        return element_terms(z, jnp.zeros(z.shape, bool), e)
-    term, slope = focal_terms(z, e, _tail(e), focal.gamma)
-    return _scaled(term, focal.negative_scale), _scaled(slope, focal.negative_scale)
+class _Positives:
+    """Every row's positives `[N, L]`, once per call: logits, weights (0 at padding), own terms."""
+
+    def __init__(self, t: _Table):
+        valid = t.ids >= 0
+        at = jnp.where(valid, t.ids, 0)
+        self.valid, self.drop_at = valid, jnp.where(valid, t.ids, t.num_items)  # scatters drop V
+        self.items = t.item_weight[at].astype(t.acc)  # [N, L, D]
+        # Elementwise products and a sum, not a dot: float32 on every platform (no TF32 / bf16 pass).
+        self.logits = (self.items * t.h[:, None, :]).sum(-1)
+        weight = jnp.ones(at.shape, t.acc)
+        if t.bias is not None:
+            self.logits = self.logits + t.bias[at]
+        if t.class_weight is not None:
+            weight = weight * t.class_weight[at]
+        if t.pos_weight is not None:
+            weight = weight * t.pos_weight[at]
+        self.weight = weight
+        self.loss, self.slope = _positive_terms(self.logits, t.focal)
+
+    def rows(self):
+        """`[N]`: `sum_l cw pw loss` over each row's positives."""
+        return jnp.where(self.valid, self.weight * self.loss, 0).sum(-1)
+
+    def hits(self):
+        return (self.valid & (self.logits > 0)).astype(jnp.float32).sum(-1)
+
+    def add_grads(self, grads, t: _Table, g):
+        """Adds the positives' `dz = g cw pw slope` to the `_zero_grads` accumulators."""
+        d_hidden, d_items, d_bias = grads
+        dz = jnp.where(self.valid, g[:, None] * self.weight * self.slope, 0)
+        # Padded slots are masked after the product: their gathered row (item 0) may hold an inf.
+        d_hidden = d_hidden + jnp.where(self.valid[..., None], dz[..., None] * self.items, 0).sum(1)
+        d_items = d_items.at[self.drop_at].add(dz[..., None] * t.h[:, None, :], mode="drop")
+        if d_bias is not None:
+            d_bias = d_bias.at[self.drop_at].add(dz, mode="drop")
+        return d_hidden, d_items, d_bias
 
 
 def _positive_terms(z_pos, focal):
@@ -96,60 +125,41 @@ def _positive_terms(z_pos, focal):
     e = jnp.exp(-jnp.abs(z_pos))
     if focal is None:
         return element_terms(z_pos, jnp.ones(z_pos.shape, bool), e)
-    term, slope = focal_terms(-z_pos, e, _tail(e), focal.gamma)
-    return _scaled(term, focal.positive_scale), _scaled(-slope, focal.positive_scale)
+    tail = jnp.log1p(e) if e.dtype == jnp.float64 else log1p_unit(e)
+    term, slope = focal_terms(-z_pos, e, tail, focal.gamma)
+    scale = focal.positive_scale
+    return (term, -slope) if scale == 1.0 else (term * scale, -slope * scale)
 
 
-def _tail(e):
-    """log1p(e), e in [0, 1], as `element_terms` computes it."""
-    return jnp.log1p(e) if e.dtype == jnp.float64 else log1p_unit(e)
-
-
-def _scaled(x, scale: float):
-    return x if scale == 1.0 else x * scale
-
-
-def _tile_rows_and_counts(t, z, weight, start, j, positives, compute_counts):
-    column, z_pos, weight_pos, pw_pos = positives
-    loss, slope = _negative_terms(z, t.focal)
-    loss = t.replace(loss, column, pw_pos * _positive_terms(z_pos, t.focal)[0])
-    rows = loss @ weight
-    counts = None
-    if compute_counts:
-        fresh = start + jnp.arange(t.block_v) >= j * t.block_v
-        owned = jnp.where(column < t.block_v, fresh[jnp.minimum(column, t.block_v - 1)], False)
-        predicted = ((z > 0) & fresh).astype(jnp.float32).sum(-1)
-        hits = (owned & (z_pos > 0)).astype(jnp.float32).sum(-1)
-        counts = jnp.stack([predicted, hits])
-    return rows, counts, slope
-
-
-def _tile_grad(t, slope, weight, g, positives):
-    column, z_pos, weight_pos, pw_pos = positives
-    dz = g[:, None] * slope * weight
-    return t.replace(dz, column, g[:, None] * weight_pos * pw_pos * _positive_terms(z_pos, t.focal)[1])
+def _counts(negatives_above_zero, p: _Positives):
+    """`[2, N]` float32: predicted positives (TP + FP) and hits (TP)."""
+    hits = p.hits()
+    return jnp.stack([negatives_above_zero + hits, hits])
 
 
 def blocked_forward(hidden, item_weight, bias, class_weight, pos_weight, ids, *, block_v: int, compute_counts: bool,
-                    focal=None):
+                    focal=None, cpu_kernel: bool = True):
     """Returns `(rows [N], counts [2, N] float32 or None)`: the rows in the accumulation dtype, and
-    the predicted positives and hits (positives with z > 0) per row. `ids`: `positives.positive_ids`."""
-    t = _Table(hidden, item_weight, bias, class_weight, pos_weight, ids, block_v, focal)
+    the predicted positives and hits (positives with z > 0) per row. `ids`: `positives.positive_ids`.
+    `cpu_kernel`: whether the tiles may run `negative_tile`'s C kernel on the CPU (core.CutBCEConfig)."""
+    t = _Table(hidden, item_weight, bias, class_weight, pos_weight, ids, block_v, focal, cpu_kernel)
     n = hidden.shape[0]
 
     def body(j, carry):
-        rows, counts = carry
-        z, weight, start, _, positives = t.tile(j)
-        tile_rows, tile_counts, _ = _tile_rows_and_counts(t, z, weight, start, j, positives, compute_counts)
-        return rows + tile_rows, (counts + tile_counts if compute_counts else counts)
+        rows, above_zero = carry
+        z, weight, start, _ = t.tile(j)
+        if compute_counts:
+            above_zero = above_zero + t.fresh_counts(z, start, j)
+        return rows + t.negatives.rows(z, weight), above_zero
 
-    init = (jnp.zeros((n,), t.acc), jnp.zeros((2, n), jnp.float32))
-    rows, counts = lax.fori_loop(0, t.num_tiles, body, init)
-    return rows, (counts if compute_counts else None)
+    init = (jnp.zeros((n,), t.acc), jnp.zeros((n,), jnp.float32))
+    rows, above_zero = lax.fori_loop(0, t.num_tiles, body, init)
+    p = _Positives(t)
+    return rows + p.rows(), (_counts(above_zero, p) if compute_counts else None)
 
 
 def blocked_value_and_grad(hidden, item_weight, bias, class_weight, pos_weight, ids, g, *, block_v: int,
-                           compute_counts: bool, focal=None):
+                           compute_counts: bool, focal=None, cpu_kernel: bool = True):
     """Forward and backward in one loop, for an upstream gradient `g [N]` known before the forward.
 
     A scalar loss `sum_n g[n] rows[n]` (reductions 'mean' and 'sum') knows its row gradient up
@@ -157,35 +167,38 @@ def blocked_value_and_grad(hidden, item_weight, bias, class_weight, pos_weight, 
     three matmuls per tile instead of the four of forward + backward. Returns
     `(rows, counts or None, d_hidden, d_item_weight, d_bias or None)` in the accumulation dtype.
     """
-    t = _Table(hidden, item_weight, bias, class_weight, pos_weight, ids, block_v, focal)
+    t = _Table(hidden, item_weight, bias, class_weight, pos_weight, ids, block_v, focal, cpu_kernel)
     g = g.astype(t.acc)
     n = hidden.shape[0]
 
     def body(j, carry):
-        rows, counts, grads = carry
-        z, weight, start, items, positives = t.tile(j)
-        tile_rows, tile_counts, slope = _tile_rows_and_counts(t, z, weight, start, j, positives, compute_counts)
-        dz = _tile_grad(t, slope, weight, g, positives)
-        counts = counts + tile_counts if compute_counts else counts
-        return rows + tile_rows, counts, _add_tile_grads(grads, dz, t.h, items, start)
+        rows, above_zero, grads = carry
+        z, weight, start, items = t.tile(j)
+        if compute_counts:
+            above_zero = above_zero + t.fresh_counts(z, start, j)
+        tile_rows, dz = t.negatives.rows_grad(z, weight, g)
+        return rows + tile_rows, above_zero, _add_tile_grads(grads, dz, t.h, items, start)
 
-    init = (jnp.zeros((n,), t.acc), jnp.zeros((2, n), jnp.float32), _zero_grads(hidden, item_weight, bias, t.acc))
-    rows, counts, grads = lax.fori_loop(0, t.num_tiles, body, init)
-    return (rows, counts if compute_counts else None, *grads)
+    init = (jnp.zeros((n,), t.acc), jnp.zeros((n,), jnp.float32), _zero_grads(hidden, item_weight, bias, t.acc))
+    rows, above_zero, grads = lax.fori_loop(0, t.num_tiles, body, init)
+    p = _Positives(t)
+    counts = _counts(above_zero, p) if compute_counts else None
+    return (rows + p.rows(), counts, *p.add_grads(grads, t, g))
 
 
-def blocked_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, g, *, block_v: int, focal=None):
+def blocked_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, g, *, block_v: int, focal=None,
+                     cpu_kernel: bool = True):
     """Gradients of `sum_n g[n] rows[n]`: `(d_hidden [N, D], d_item_weight [V, D], d_bias [V] or None)`
     in the accumulation dtype."""
-    t = _Table(hidden, item_weight, bias, class_weight, pos_weight, ids, block_v, focal)
+    t = _Table(hidden, item_weight, bias, class_weight, pos_weight, ids, block_v, focal, cpu_kernel)
     g = g.astype(t.acc)
 
     def body(j, grads):
-        z, weight, start, items, positives = t.tile(j)
-        _, slope = _negative_terms(z, t.focal)
-        return _add_tile_grads(grads, _tile_grad(t, slope, weight, g, positives), t.h, items, start)
+        z, weight, start, items = t.tile(j)
+        return _add_tile_grads(grads, t.negatives.grad(z, weight, g), t.h, items, start)
 
-    return lax.fori_loop(0, t.num_tiles, body, _zero_grads(hidden, item_weight, bias, t.acc))
+    grads = lax.fori_loop(0, t.num_tiles, body, _zero_grads(hidden, item_weight, bias, t.acc))
+    return _Positives(t).add_grads(grads, t, g)
 
 
 def _zero_grads(hidden, item_weight, bias, acc):

@@ -42,6 +42,9 @@ class CutBCEConfig:
         plain CutBCE (gamma = 0 without class balancing) is stored as None (`check_focal`
         normalises it), so every engine, the torch_xla bridge and the sharded layout run the
         plain code for it (bit for bit the plain results, and the same cache key).
+      cpu_kernel: the blocked loop's float32 tiles run the C kernel (`cpu_tile.c`, through XLA's
+        FFI) when lowered for the CPU; False keeps them in jnp. The torch_xla bridge sets False:
+        its runtime is its own XLA build, where the FFI target is not registered.
     """
 
     block_v: int
@@ -49,6 +52,7 @@ class CutBCEConfig:
     impl: str = "blocked"
     block_sizes: object = None
     focal: Focal | None = None
+    cpu_kernel: bool = True
 
     def __post_init__(self):
         if self.impl not in IMPLS:
@@ -78,6 +82,7 @@ def _forward(config, hidden, item_weight, bias, class_weight, pos_weight, ids):
     return blocked_forward(
         hidden, item_weight, bias, class_weight, pos_weight, ids,
         block_v=config.block_v, compute_counts=config.compute_metrics, focal=config.focal,
+        cpu_kernel=config.cpu_kernel,
     )
 
 
@@ -90,7 +95,7 @@ def _backward(config, hidden, item_weight, bias, class_weight, pos_weight, ids, 
             focal=config.focal,
         )
     return blocked_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, g, block_v=config.block_v,
-                            focal=config.focal)
+                            focal=config.focal, cpu_kernel=config.cpu_kernel)
 
 
 def _value_and_grad(config, hidden, item_weight, bias, class_weight, pos_weight, ids, g):
@@ -106,6 +111,7 @@ def _value_and_grad(config, hidden, item_weight, bias, class_weight, pos_weight,
     return blocked_value_and_grad(
         hidden, item_weight, bias, class_weight, pos_weight, ids, g,
         block_v=config.block_v, compute_counts=config.compute_metrics, focal=config.focal,
+        cpu_kernel=config.cpu_kernel,
     )
 
 

@@ -1,7 +1,8 @@
 """The native path's fast pieces: compiled tile functions and gradients computed in the forward.
 
-- Every `torch.compile`d tile function (float32) against its eager twin, on odd tile shapes, with
-  and without class weights; the logits tile is left untouched and dz lands in `out`.
+- Every float32 tile function, from the CPU kernel (tests/test_l1_cpu_tile.py has its own
+  suite), from `torch.compile` (what runs without the kernel) and from the eager twin, on odd tile
+  shapes, with and without class weights; the logits tile is left untouched and dz lands in `out`.
 - The polynomial log1p against float64 log1p over the whole range it is used on.
 - `NativeCutBCELoss` ('sum' / 'mean': gradients computed in the forward, the backward scales them)
   against the float64 dense oracle for every subset of inputs requiring grad, a non-unit upstream
@@ -43,6 +44,11 @@ def _eager(monkeypatch):
     monkeypatch.setenv("TORCH_CUTBCE_NO_COMPILE", "1")
 
 
+def _without_cpu_kernel(monkeypatch):
+    """The float32 CPU tiles as they run where the C kernel cannot be built: torch.compile'd."""
+    monkeypatch.setattr(fused_tile, "_cpu_library", lambda: None)
+
+
 def _softplus64(x):
     return x.clamp(min=0) + torch.log1p(torch.exp(-x.abs()))
 
@@ -56,11 +62,13 @@ def _tile_truth(z, g, cw):
 
 @pytest.mark.parametrize("shape", TILE_SHAPES)
 @pytest.mark.parametrize("class_weight", [False, True])
-def test_compiled_tile_functions_match_their_eager_twins(shape, class_weight, monkeypatch):
+def test_every_float32_tile_function_matches_float64(shape, class_weight, monkeypatch):
     z, g, cw = _tile(shape, seed=shape[0])
     cw = cw if class_weight else None
     results = {}
-    for mode in ("compiled", "eager"):
+    for mode in ("cpu kernel", "compiled", "eager"):
+        if mode == "compiled":
+            _without_cpu_kernel(monkeypatch)
         if mode == "eager":
             _eager(monkeypatch)
         zc = z.clone()
@@ -77,10 +85,9 @@ def test_compiled_tile_functions_match_their_eager_twins(shape, class_weight, mo
     truth_rows, truth_dz = _tile_truth(z, g, cw)
     truth = {"rows": truth_rows, "rows_grad": truth_rows, "dz": truth_dz, "counts": (z > 0).sum(-1).float(),
              "dz_grad": truth_dz}
-    assert_close(results["compiled"], truth, dtype="float32", name="compiled tile")
-    assert_close(results["eager"], truth, dtype="float32", name="eager tile")
-    assert torch.equal(results["compiled"]["counts"], truth["counts"])
-    for mode in ("compiled", "eager"):
+    for mode in results:
+        assert_close(results[mode], truth, dtype="float32", name=f"{mode} tile")
+        assert torch.equal(results[mode]["counts"], truth["counts"])
         assert torch.equal(results[mode]["dz"][z == float("-inf")], torch.zeros(int((z == float("-inf")).sum())))
         assert_close(results[mode]["rows"], truth_rows, dtype="float32", name=f"{mode} tile rows", elementwise=True)
 
@@ -190,6 +197,7 @@ def test_a_failing_compiler_falls_back_to_eager_with_one_warning(monkeypatch):
     def broken(name, threads):
         raise RuntimeError("no C++ compiler here")
 
+    _without_cpu_kernel(monkeypatch)
     monkeypatch.setattr(fused_tile, "_compiled", broken)
     monkeypatch.setattr(fused_tile, "_compile_failed", False)
     z, _, cw = _tile((9, 20), seed=1)
@@ -200,9 +208,10 @@ def test_a_failing_compiler_falls_back_to_eager_with_one_warning(monkeypatch):
         torch.testing.assert_close(fused_tile.rows(z, cw), rows)
 
 
-def test_new_shapes_do_not_recompile():
+def test_new_shapes_do_not_recompile(monkeypatch):
     from torch._dynamo.utils import counters
 
+    _without_cpu_kernel(monkeypatch)
     hidden, items, targets = _leaves()
     native(hidden, items, targets, block_v=BLOCK_V).backward()  # compiled here (or earlier)
     compiled_frames = counters["frames"]["ok"]

@@ -162,6 +162,7 @@ def test_padded_positions_are_kept_when_weight_needs_its_gradient(monkeypatch):
 def test_the_first_tile_compile_is_announced_once(monkeypatch):
     hidden, items, bias, targets, _ = _inputs(seed=7)
     monkeypatch.setattr(fused_tile, "_compile_seconds", {})  # as in a fresh process
+    monkeypatch.setattr(fused_tile, "_cpu_library", lambda: None)  # torch.compile's tiles (no C kernel)
     with pytest.warns(fused_tile.TileCompileWarning, match="TORCH_CUTBCE_NO_COMPILE=1"):
         cut_bce_with_logits(hidden, items, targets, bias, block_v=BLOCK_V)
     with warnings.catch_warnings():

@@ -11,10 +11,12 @@ exact to rounding for any z.
     grad(z, cw, g, out)        -> writes dz into `out`
     counts(z)                  -> #{v : z > 0} per row (metrics)
 
-float32 tiles run a `torch.compile`d version (one vectorized loop per function) with log1p as a
-polynomial (`_log1p_unit`, 4e-9 relative: Sleef's log1p costs about 4 exps); everything else runs the
-eager twin (float64, a side of length 1, `TORCH_CUTBCE_NO_COMPILE=1`, no compiler). Why each
-choice, with timings: benchmarks/NOTES.md sections 1 and 7.
+float32 tiles on the CPU run the C kernel `jax_kernels/cpu_tile.c` (built once per machine, one
+pass that may write dz over z: `writes_grad_in_place`); other float32 tiles (CUDA, focal) run a
+`torch.compile`d version (one vectorized loop per function) with log1p as a polynomial
+(`_log1p_unit`, 4e-9 relative: Sleef's log1p costs about 4 exps); everything else runs the eager
+twin (float64, a side of length 1, `TORCH_CUTBCE_NO_COMPILE=1`, no compiler). Why each choice,
+with timings: benchmarks/NOTES.md sections 1 and 7.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import time
 import warnings
 
 import torch
+
+from jax_kernels import cpu_tile_build  # framework-neutral: no jax import
 
 _compile_seconds: dict[str, float] = {}
 _compile_failed = False
@@ -185,6 +189,58 @@ _EAGER = {"rows": _eager_rows, "rows_grad": _eager_rows_grad, "grad": _eager_gra
           "focal_grad": _eager_focal_grad}
 
 
+# -- the CPU kernel (float32, plain BCE) -----------------------------------------------------------------
+
+
+@functools.cache
+def _cpu_library():
+    """The ctypes library of `cpu_tile.c`, or None (said once) where it cannot be built."""
+    try:
+        return cpu_tile_build.c_library()
+    except cpu_tile_build.BuildError as error:
+        if not cpu_tile_build.disabled():
+            warnings.warn(f"torch_cutbce: the CPU tile kernel could not be built ({error}); "
+                          f"using torch.compile'd tiles instead")
+        return None
+
+
+_CPU_KERNEL_FUNCTIONS = ("rows", "rows_grad", "grad", "counts")
+
+
+def _uses_cpu_kernel(name: str, z: torch.Tensor) -> bool:
+    return (name in _CPU_KERNEL_FUNCTIONS and z.device.type == "cpu" and z.dtype == torch.float32
+            and _cpu_library() is not None)
+
+
+def writes_grad_in_place(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the plain tile functions take `out=z` at no cost (the CPU kernel reads each element
+    before writing it); torch.compile's kernels read an aliased tile twice, so they get a buffer."""
+    return dtype == torch.float32 and device.type == "cpu" and _cpu_library() is not None
+
+
+def _run_cpu_kernel(name: str, z: torch.Tensor, cw=None, g=None, out=None):
+    """`cpu_tile.c` on the tensors of the functions below (`out` may be `z` itself)."""
+    lib, (n, v), threads = _cpu_library(), z.shape, torch.get_num_threads()
+    if name == "counts":
+        counts = torch.empty(n, dtype=torch.float32)
+        lib.cutbce_counts(_address(z), _address(counts), n, v, threads)
+        return counts
+    rows = None if name == "grad" else torch.empty(n, dtype=torch.float32)
+    cw, g = (None if x is None else x.contiguous() for x in (cw, g))  # a strided class weight's slice
+    lib.cutbce_tile(_address(z), _address(cw), _address(g), _address(out), _address(rows), n, v, threads)
+    return rows
+
+
+def _address(x: torch.Tensor | None):
+    """The data address the kernel reads or writes (None stays NULL); it indexes densely, in float32."""
+    if x is None:
+        return None
+    if not (x.is_contiguous() and x.dtype == torch.float32 and x.device.type == "cpu"):
+        raise ValueError(f"the CPU tile kernel takes contiguous float32 CPU tensors, got {x.dtype} "
+                         f"{tuple(x.shape)} strides {x.stride()} on {x.device}")
+    return x.data_ptr()
+
+
 # -- dispatch -----------------------------------------------------------------------------------------
 
 
@@ -238,6 +294,8 @@ def _can_compile(z: torch.Tensor) -> bool:
 def _run(name: str, z: torch.Tensor, *args):
     """`args` are `(cw, g, out)`, `(cw,)` or none (counts); focal functions take gamma after cw."""
     global _compile_failed
+    if _uses_cpu_kernel(name, z):
+        return _run_cpu_kernel(name, z, *args)
     if not _can_compile(z):
         return _EAGER[name](z, *args)
     # One kernel per function, compiled once: dynamo guards on aliasing and on whether a small input

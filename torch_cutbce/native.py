@@ -35,16 +35,20 @@ class _Tiles:
     to `self.positives.logits` unless `keep_logits` is False), `cw` a `[1, bv]` row or None. Each
     tile is a contiguous `[N, stop - start]` view of one reused flat buffer (the ragged last tile
     too), so the compiled tile functions always see the same layout.
-    With `with_grad`, `dz` is a view of a second buffer for the tile's gradient.
+    With `with_grad`, `dz` is where the tile's gradient goes: `z` itself with `grad_in_place` (the
+    tile function reads each logit before writing its gradient), else a view of a second buffer.
     """
 
-    def __init__(self, h, item_weight, bias, class_weight, ids, block_v, with_grad=False, keep_logits=True):
+    def __init__(self, h, item_weight, bias, class_weight, ids, block_v, with_grad=False, keep_logits=True,
+                 grad_in_place=False):
         self.h, self.item_weight, self.bias, self.class_weight = h, item_weight, bias, class_weight
         self.block_v, self.keep_logits = block_v, keep_logits
         self.positives = positives.TilePositives(ids, min(block_v, item_weight.shape[0]), h.dtype)
         size = h.shape[0] * min(block_v, item_weight.shape[0])
         self.buffer = torch.empty(size, dtype=h.dtype, device=h.device)
-        self.grad_buffer = torch.empty(size, dtype=h.dtype, device=h.device) if with_grad else None
+        self.grad_buffer = None
+        if with_grad:
+            self.grad_buffer = self.buffer if grad_in_place else torch.empty(size, dtype=h.dtype, device=h.device)
 
     def __iter__(self):
         h, acc, n = self.h, self.h.dtype, self.h.shape[0]
@@ -72,8 +76,9 @@ def _add_tile_grads(dz, items, h, start, stop, d_hidden, d_items, d_bias):
 
 
 class _NegativeTerms:
-    """The tile functions for the negatives, plain or focal (`jax_kernels/focal.py`), and the class
-    weight the tiles use (scaled by 1 - alpha under focal class balancing)."""
+    """The tile functions for the negatives, plain or focal (`jax_kernels/focal.py`), the class
+    weight the tiles use (scaled by 1 - alpha under focal class balancing), and whether they write
+    the gradient over the logits (`fused_tile.writes_grad_in_place`: the plain CPU kernel)."""
 
     def __init__(self, class_weight, focal, num_items, dtype, device):
         self.gamma = None
@@ -84,6 +89,7 @@ class _NegativeTerms:
         if scale != 1.0:
             ones = torch.ones(num_items, dtype=dtype, device=device)
             self.class_weight = (ones if class_weight is None else class_weight.to(dtype)) * scale
+        self.grad_in_place = self.gamma is None and fused_tile.writes_grad_in_place(dtype, device)
 
     def rows(self, z, cw):
         return fused_tile.rows(z, cw) if self.gamma is None else fused_tile.focal_rows(z, cw, self.gamma)
@@ -157,7 +163,7 @@ def rows_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, logi
     if any(need):
         negatives = _NegativeTerms(class_weight, focal, item_weight.shape[0], h.dtype, h.device)
         tiles = _Tiles(h, item_weight, bias, negatives.class_weight, ids, block_v, with_grad=True,
-                       keep_logits=False)
+                       keep_logits=False, grad_in_place=negatives.grad_in_place)
         for start, stop, z, dz, items, cw in tiles:
             negatives.grad(z, cw, g_column, out=dz)
             _add_tile_grads(dz, items, h, start, stop, d_hidden, d_items, d_bias)
@@ -192,7 +198,8 @@ def loss_and_grads(hidden, item_weight, bias, weight, class_weight, pos_weight, 
     rows = torch.zeros(n, dtype=acc, device=h.device)
     false_positives = torch.zeros(n, dtype=torch.float32, device=h.device)
     negatives = _NegativeTerms(class_weight, focal, num_items, acc, h.device)
-    tiles = _Tiles(h, item_weight, bias, negatives.class_weight, ids, block_v, with_grads)
+    tiles = _Tiles(h, item_weight, bias, negatives.class_weight, ids, block_v, with_grads,
+                   grad_in_place=negatives.grad_in_place)
     for start, stop, z, dz, items, cw in tiles:
         if compute_metrics:
             false_positives += fused_tile.counts(z)

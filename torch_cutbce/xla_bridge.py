@@ -114,8 +114,10 @@ def _join(axis) -> str:
 
 def _static(block_v, compute_metrics, impl, mesh_shape, mesh_axes, vocab_axis, data_axis, focal_args):
     """The call_jax keyword arguments: the config, and the sharded layout when a mesh is given."""
+    # cpu_kernel=False: torch_xla runs its own XLA build, where the FFI target of the blocked loop's C
+    # kernel is not registered (jax_kernels/negative_tile.py); the jnp tiles compute the same.
     config = jax_core.CutBCEConfig(block_v=block_v, compute_metrics=compute_metrics, impl=impl,
-                                   focal=focal_from_args(*focal_args))
+                                   focal=focal_from_args(*focal_args), cpu_kernel=False)
     if not mesh_shape:
         return {"config": config, "layout": None}
     layout = jax_sharded.abstract_layout(

@@ -1,0 +1,131 @@
+"""The blocked loop's negatives: each tile's loss rows and gradient with its positives taken out.
+
+`z [N, bv]` holds every logit of the tile with the row's positives at -inf (their loss and
+gradient are 0 here; blocked.py gives them their own branch). Every other element is a negative:
+loss `w softplus(z)`, gradient `g w sigmoid(z)` (or focal's terms), with `w [bv]` the tile's
+column weight. `NegativeTile(focal, cpu_kernel)` has
+
+    rows(z, w)          -> sum_v w loss                   [N]
+    rows_grad(z, w, g)  -> (rows, dz)                     dz may reuse z's buffer
+    grad(z, w, g)       -> dz
+
+On the CPU, float32 plain BCE runs the C kernel `cpu_tile.c` through XLA's FFI: one pass over the
+tile that writes dz over z, where XLA:CPU's own fusions read the tile several times and make the
+row sums a slow reduction (benchmarks/NOTES.md section 7). Everywhere else (GPU, TPU lowering,
+float64, focal, the torch_xla bridge, no C++ compiler, TORCH_CUTBCE_NO_COMPILE=1) the same math
+runs as jnp.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_kernels import cpu_tile_build
+from jax_kernels.positives import element_terms, focal_terms, log1p_unit
+
+_TARGETS = ("cutbce_rows", "cutbce_rows_grad", "cutbce_grad")
+
+
+@functools.cache
+def _ffi_registered() -> bool:
+    """Builds and registers the FFI handlers once; False (said once) where they cannot be built."""
+    try:
+        lib = cpu_tile_build.ffi_library(jax.ffi.include_dir())
+    except cpu_tile_build.BuildError as error:
+        if not cpu_tile_build.disabled():
+            warnings.warn(f"jax_kernels: the CPU tile kernel could not be built ({error}); using jnp tiles")
+        return False
+    for name in _TARGETS:
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
+    return True
+
+
+def _threads() -> np.int32:
+    return np.int32(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+def _on_cpu(kernel, portable, *args):
+    """`kernel` where the computation is lowered for the CPU, `portable` on any other platform."""
+    return jax.lax.platform_dependent(*args, cpu=kernel, default=portable)
+
+
+# -- the FFI calls (CPU, float32) ----------------------------------------------------------------------
+
+
+def _kernel_rows(z, w):
+    out = jax.ShapeDtypeStruct(z.shape[:1], jnp.float32)
+    return jax.ffi.ffi_call("cutbce_rows", out)(z, w, threads=_threads())
+
+
+def _kernel_rows_grad(z, w, g):
+    out = (jax.ShapeDtypeStruct(z.shape, jnp.float32), jax.ShapeDtypeStruct(z.shape[:1], jnp.float32))
+    dz, rows = jax.ffi.ffi_call("cutbce_rows_grad", out, input_output_aliases={0: 0})(z, w, g, threads=_threads())
+    return rows, dz
+
+
+def _kernel_grad(z, w, g):
+    out = jax.ShapeDtypeStruct(z.shape, jnp.float32)
+    return jax.ffi.ffi_call("cutbce_grad", out, input_output_aliases={0: 0})(z, w, g, threads=_threads())
+
+
+# -- the same in jnp ----------------------------------------------------------------------------------
+
+
+def terms(z, focal):
+    """`(loss, slope)` of every element as a negative: `(softplus(z), sigmoid(z))`, or with focal
+    `ns * (term(z), term'(z))` (jax_kernels/focal.py, ns its negative_scale). 0 and 0 at z = -inf."""
+    e = jnp.exp(-jnp.abs(z))
+    if focal is None:
+        return element_terms(z, jnp.zeros(z.shape, bool), e)
+    tail = jnp.log1p(e) if e.dtype == jnp.float64 else log1p_unit(e)
+    term, slope = focal_terms(z, e, tail, focal.gamma)
+    scale = focal.negative_scale
+    return (term, slope) if scale == 1.0 else (term * scale, slope * scale)
+
+
+def _portable_rows(z, w, focal=None):
+    return terms(z, focal)[0] @ w
+
+
+def _portable_rows_grad(z, w, g, focal=None):
+    loss, slope = terms(z, focal)
+    return loss @ w, g[:, None] * slope * w
+
+
+def _portable_grad(z, w, g, focal=None):
+    return g[:, None] * terms(z, focal)[1] * w
+
+
+# -- what blocked.py calls ----------------------------------------------------------------------------
+
+
+class NegativeTile:
+    """The three tile functions for one call: focal or plain, kernel allowed or not (`cpu_kernel`:
+    core.CutBCEConfig's; the kernel runs only for plain float32 tiles lowered for the CPU)."""
+
+    def __init__(self, focal=None, cpu_kernel: bool = True):
+        self.focal, self.cpu_kernel = focal, cpu_kernel
+
+    def _kernel(self, z) -> bool:
+        return self.cpu_kernel and self.focal is None and z.dtype == jnp.float32 and _ffi_registered()
+
+    def rows(self, z, w):
+        if self._kernel(z):
+            return _on_cpu(_kernel_rows, _portable_rows, z, w)
+        return _portable_rows(z, w, self.focal)
+
+    def rows_grad(self, z, w, g):
+        if self._kernel(z):
+            return _on_cpu(_kernel_rows_grad, _portable_rows_grad, z, w, g)
+        return _portable_rows_grad(z, w, g, self.focal)
+
+    def grad(self, z, w, g):
+        if self._kernel(z):
+            return _on_cpu(_kernel_grad, _portable_grad, z, w, g)
+        return _portable_grad(z, w, g, self.focal)
