@@ -1,6 +1,6 @@
 """The price of exact rows (issue 11): positives taken out of the tile vs background + sparse correction.
 
-    .venv/bin/python benchmarks/ablation_exact_rows.py            # N=4096 D=64 V=32768 L=8 float32, 7 rounds
+    .venv/bin/python benchmarks/ablation_exact_rows.py            # N=4096 D=64 V=32768 L=8 float32, 11 rounds
 
 One process, interleaved rounds, medians. "before" is the engine code of commit c6712c3, frozen in
 benchmarks/frozen/before_exact_rows/ (background + correction: softplus(z) summed, z subtracted
@@ -110,7 +110,7 @@ def main(argv=None):
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--num-items", type=int, default=32768)
     parser.add_argument("--block-v", type=int, default=1024)
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--frameworks", choices=["torch", "jax", "both"], default="both",
                         help="time one framework's variants alone (no other framework's threads in the process)")
     args = parser.parse_args(argv)
