@@ -113,7 +113,9 @@ class NegativeTile:
         self.focal, self.cpu_kernel = focal, cpu_kernel
 
     def _kernel(self, z) -> bool:
-        return self.cpu_kernel and self.focal is None and z.dtype == jnp.float32 and _ffi_registered()
+        # A TPU or GPU host does not build the kernel (its computations lower for the accelerator).
+        return (self.cpu_kernel and self.focal is None and z.dtype == jnp.float32
+                and jax.default_backend() == "cpu" and _ffi_registered())
 
     def rows(self, z, w):
         if self._kernel(z):
