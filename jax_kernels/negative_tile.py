@@ -38,8 +38,7 @@ def _ffi_registered() -> bool:
     try:
         lib = cpu_tile_build.ffi_library(jax.ffi.include_dir())
     except cpu_tile_build.BuildError as error:
-        if not cpu_tile_build.disabled():
-            warnings.warn(f"jax_kernels: the CPU tile kernel could not be built ({error}); using jnp tiles")
+        warnings.warn(f"jax_kernels: the CPU tile kernel could not be built ({error}); using jnp tiles")
         return False
     for name in _TARGETS:
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
@@ -115,7 +114,7 @@ class NegativeTile:
     def _kernel(self, z) -> bool:
         # A TPU or GPU host does not build the kernel (its computations lower for the accelerator).
         return (self.cpu_kernel and self.focal is None and z.dtype == jnp.float32
-                and jax.default_backend() == "cpu" and _ffi_registered())
+                and jax.default_backend() == "cpu" and not cpu_tile_build.disabled() and _ffi_registered())
 
     def rows(self, z, w):
         if self._kernel(z):

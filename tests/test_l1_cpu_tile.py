@@ -255,3 +255,11 @@ def test_build_failures_are_build_errors(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_CUTBCE_NO_COMPILE", "1")
     with pytest.raises(cpu_tile_build.BuildError, match="TORCH_CUTBCE_NO_COMPILE"):
         cpu_tile_build._compiler("CC", ("cc",))
+
+
+def test_no_compile_switches_the_kernel_off_call_by_call(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("TORCH_CUTBCE_NO_COMPILE", "1")
+    assert not fused_tile.writes_grad_in_place(torch.float32, cpu)
+    monkeypatch.delenv("TORCH_CUTBCE_NO_COMPILE")
+    assert fused_tile.writes_grad_in_place(torch.float32, cpu)  # not remembered from the call above

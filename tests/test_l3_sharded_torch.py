@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -181,14 +182,29 @@ def _rank_main(rank, init_file, out_dir):
         loss_fn = lambda *a, **k: tc.cut_bce_with_logits(*a, vocab_parallel=options, **k)
         result = _loss_and_grads(loss_fn, _inputs(), slice(options.start, options.stop))
         torch.save({"options": (options.start, options.stop), "result": result}, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # no rank tears gloo down while another still talks to it
     finally:
         dist.destroy_process_group()
+    # Leave without the interpreter's teardown: under torch 2.13 a rank sometimes aborted there
+    # ("terminate called without an active exception", a joinable std::thread destroyed; 1 run in
+    # about 10 of the core-only check), after its results were saved. mp.spawn sees exit code 0.
+    os._exit(0)
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vocab_parallel")
-    mp.spawn(_rank_main, args=(str(tmp / "init"), str(tmp)), nprocs=WORLD, join=True)
+    for attempt in (1, 2):
+        try:
+            mp.spawn(_rank_main, args=(str(tmp / f"init{attempt}"), str(tmp)), nprocs=WORLD, join=True)
+            break
+        except mp.ProcessExitedException as error:
+            # torch 2.13's gloo ranks have aborted now and then (SIGABRT, "terminate called without
+            # an active exception"; about 1 core-only run in 10, never reproduced alone): run the
+            # ranks once more, so a second abort, or any other failure, still fails the tests.
+            if attempt == 2 or error.signal_name != "SIGABRT":
+                raise
+            warnings.warn(f"a vocab-parallel rank aborted ({error}); running the ranks again")
     return [torch.load(tmp / f"rank{r}.pt") for r in range(WORLD)]
 
 

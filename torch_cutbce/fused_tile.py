@@ -198,24 +198,28 @@ def _cpu_library():
     try:
         return cpu_tile_build.c_library()
     except cpu_tile_build.BuildError as error:
-        if not cpu_tile_build.disabled():
-            warnings.warn(f"torch_cutbce: the CPU tile kernel could not be built ({error}); "
-                          f"using torch.compile'd tiles instead")
+        warnings.warn(f"torch_cutbce: the CPU tile kernel could not be built ({error}); "
+                      f"using torch.compile'd tiles instead")
         return None
 
 
 _CPU_KERNEL_FUNCTIONS = ("rows", "rows_grad", "grad", "counts")
 
 
-def _uses_cpu_kernel(name: str, z: torch.Tensor) -> bool:
-    return (name in _CPU_KERNEL_FUNCTIONS and z.device.type == "cpu" and z.dtype == torch.float32
+def _cpu_kernel_ready(dtype: torch.dtype, device: torch.device) -> bool:
+    # TORCH_CUTBCE_NO_COMPILE is read at every call (as for torch.compile), before the cached build.
+    return (dtype == torch.float32 and device.type == "cpu" and not cpu_tile_build.disabled()
             and _cpu_library() is not None)
+
+
+def _uses_cpu_kernel(name: str, z: torch.Tensor) -> bool:
+    return name in _CPU_KERNEL_FUNCTIONS and _cpu_kernel_ready(z.dtype, z.device)
 
 
 def writes_grad_in_place(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the plain tile functions take `out=z` at no cost (the CPU kernel reads each element
     before writing it); torch.compile's kernels read an aliased tile twice, so they get a buffer."""
-    return dtype == torch.float32 and device.type == "cpu" and _cpu_library() is not None
+    return _cpu_kernel_ready(dtype, device)
 
 
 def _run_cpu_kernel(name: str, z: torch.Tensor, cw=None, g=None, out=None):
