@@ -4,7 +4,8 @@ Every implementation takes the positives out of the dense pass inside the tile w
 (docs/design.md ('The math')): an element's loss is `cw softplus(z)` or `cw pw softplus(-z)`,
 chosen element by element, so a confident positive's tiny loss is never lost in a row sum. The
 tiles learn which of their elements are positives from `positive_ids`: the blocked loop scatters
-them into a boolean tile, the Pallas kernels compare the row's ids with the tile's columns.
+-inf at them in each logits tile (and gives them their own terms once per call), the Pallas kernels
+compare the row's ids with the tile's columns.
 """
 
 from __future__ import annotations
