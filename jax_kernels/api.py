@@ -5,20 +5,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
-import jax.numpy as jnp
-
-from jax_kernels.arguments import prepare
+from jax_kernels.arguments import engine_operands, prepare, resolve_impl
 from jax_kernels.core import CutBCEConfig, cut_bce_rows, cut_bce_weighted_sum
 from jax_kernels.focal import check_focal
 from jax_kernels.reduction import finish
-from jax_kernels.shapes import choose_impl, tile_width
+from jax_kernels.shapes import tile_width
 from jax_kernels.sharded import sharded_loss
-
-def resolve_impl(impl: str, dtype) -> str:
-    """`shapes.choose_impl` for JAX: 'auto' is Pallas on a TPU backend (float32 / bfloat16)."""
-    return choose_impl(impl, jnp.dtype(dtype).name, jax.default_backend() == "tpu")
-
 
 def cut_bce(
     hidden,
@@ -113,16 +105,7 @@ def cut_bce(
         block_sizes=block_sizes,
         focal=focal,
     )
-    n = size.num_positions
-    operands = (
-        hidden.reshape(n, size.hidden_size),
-        item_weight,
-        targets.reshape(n, size.num_slots),
-        bias,
-        # Constants, as on the sharded path: no gradient flows into the class weights.
-        None if class_weight is None else jax.lax.stop_gradient(class_weight),
-        None if pos_weight is None else jax.lax.stop_gradient(pos_weight),
-    )
+    operands = engine_operands(size, hidden, item_weight, targets, bias, class_weight, pos_weight)
     # 'sum' / 'mean' take core.cut_bce_weighted_sum: the gradients computed during the forward.
     return finish(functools.partial(cut_bce_rows, config), functools.partial(cut_bce_weighted_sum, config),
                   operands, weight, reduction, size.lead_shape, size.num_items, return_metrics)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_kernels.shapes import ArraySpec, ProblemSize, check_arguments, check_block_v, check_largest_id
+from jax_kernels.shapes import ArraySpec, ProblemSize, check_arguments, check_block_v, check_largest_id, choose_impl
 
 FLOAT_ARGUMENTS = ("hidden", "item_weight", "bias", "weight", "class_weight", "pos_weight")
 
@@ -102,3 +102,22 @@ def prepare(hidden, item_weight, targets, bias, weight, class_weight, pos_weight
     for name in ("hidden", "item_weight"):
         arrays[name] = arrays[name].astype(common)
     return size, arrays
+
+
+def resolve_impl(impl: str, dtype) -> str:
+    """`shapes.choose_impl` for JAX: 'auto' is Pallas on a TPU backend (float32 / bfloat16)."""
+    return choose_impl(impl, jnp.dtype(dtype).name, jax.default_backend() == "tpu")
+
+
+def engine_operands(size: ProblemSize, hidden, item_weight, targets, bias, class_weight, pos_weight) -> tuple:
+    """The engines' operands, on one device or a mesh: `hidden [N, D]` and `targets [N, L]`
+    flattened from `[*S, ...]`, and the per-item weights as constants (no gradient flows into them)."""
+    n = size.num_positions
+    return (
+        hidden.reshape(n, size.hidden_size),
+        item_weight,
+        targets.reshape(n, size.num_slots),
+        bias,
+        None if class_weight is None else jax.lax.stop_gradient(class_weight),
+        None if pos_weight is None else jax.lax.stop_gradient(pos_weight),
+    )

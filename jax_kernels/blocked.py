@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_kernels import negative_tile
-from jax_kernels.positives import accumulation_dtype, element_terms, focal_terms, log1p_unit
+from jax_kernels.positives import accumulation_dtype, branch_terms
 
 
 class _Table:
@@ -98,7 +98,7 @@ class _Positives:
         if t.pos_weight is not None:
             weight = weight * t.pos_weight[at]
         self.weight = weight
-        self.loss, self.slope = _positive_terms(self.logits, t.focal)
+        self.loss, self.slope = branch_terms(self.logits, True, t.focal)
 
     def rows(self):
         """`[N]`: `sum_l cw pw loss` over each row's positives."""
@@ -117,18 +117,6 @@ class _Positives:
         if d_bias is not None:
             d_bias = d_bias.at[self.drop_at].add(dz, mode="drop")
         return d_hidden, d_items, d_bias
-
-
-def _positive_terms(z_pos, focal):
-    """`(loss, slope)` at the positives `[N, L]`: `(softplus(-z), -sigmoid(-z))`, or with focal
-    `ps * (term(-z), -term'(-z))` (u = -z at a positive, du/dz = -1; ps the positive_scale)."""
-    e = jnp.exp(-jnp.abs(z_pos))
-    if focal is None:
-        return element_terms(z_pos, jnp.ones(z_pos.shape, bool), e)
-    tail = jnp.log1p(e) if e.dtype == jnp.float64 else log1p_unit(e)
-    term, slope = focal_terms(-z_pos, e, tail, focal.gamma)
-    scale = focal.positive_scale
-    return (term, -slope) if scale == 1.0 else (term * scale, -slope * scale)
 
 
 def _counts(negatives_above_zero, p: _Positives):

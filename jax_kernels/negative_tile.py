@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_kernels import cpu_tile_build
-from jax_kernels.positives import element_terms, focal_terms, log1p_unit
+from jax_kernels.positives import branch_terms
 
 _TARGETS = ("cutbce_rows", "cutbce_rows_grad", "cutbce_grad")
 
@@ -76,29 +76,17 @@ def _kernel_grad(z, w, g):
 # -- the same in jnp ----------------------------------------------------------------------------------
 
 
-def terms(z, focal):
-    """`(loss, slope)` of every element as a negative: `(softplus(z), sigmoid(z))`, or with focal
-    `ns * (term(z), term'(z))` (jax_kernels/focal.py, ns its negative_scale). 0 and 0 at z = -inf."""
-    e = jnp.exp(-jnp.abs(z))
-    if focal is None:
-        return element_terms(z, jnp.zeros(z.shape, bool), e)
-    tail = jnp.log1p(e) if e.dtype == jnp.float64 else log1p_unit(e)
-    term, slope = focal_terms(z, e, tail, focal.gamma)
-    scale = focal.negative_scale
-    return (term, slope) if scale == 1.0 else (term * scale, slope * scale)
-
-
 def _portable_rows(z, w, focal=None):
-    return terms(z, focal)[0] @ w
+    return branch_terms(z, False, focal)[0] @ w
 
 
 def _portable_rows_grad(z, w, g, focal=None):
-    loss, slope = terms(z, focal)
+    loss, slope = branch_terms(z, False, focal)
     return loss @ w, g[:, None] * slope * w
 
 
 def _portable_grad(z, w, g, focal=None):
-    return g[:, None] * terms(z, focal)[1] * w
+    return g[:, None] * branch_terms(z, False, focal)[1] * w
 
 
 # -- what blocked.py calls ----------------------------------------------------------------------------

@@ -48,9 +48,28 @@ def element_terms(z, y, e):
     (minus at positives), `weight = cw * where(y, pw, 1)`: BCE's two branches without cancellation.
     """
     zs = jnp.where(y, -z, z)
-    tail = jnp.log1p(e) if z.dtype == jnp.float64 else log1p_unit(e)
     sigmoid = jnp.where(zs >= 0, 1, e) / (1 + e)
-    return jnp.maximum(zs, 0) + tail, jnp.where(y, -sigmoid, sigmoid)
+    return jnp.maximum(zs, 0) + _tail(e), jnp.where(y, -sigmoid, sigmoid)
+
+
+def branch_terms(z, positive: bool, focal=None):
+    """`(loss, slope)` of every element of `z` on one branch, before any weight: a negative's
+    `(softplus(z), sigmoid(z))` or a positive's `(softplus(-z), -sigmoid(-z))`; with focal, `term`
+    and its slope in `u = +-z` times focal's scale of that branch (jax_kernels/focal.py). A negative
+    at z = -inf (a positive taken out of its tile) gives 0 and 0."""
+    e = jnp.exp(-jnp.abs(z))
+    if focal is None:
+        return element_terms(z, jnp.full(z.shape, positive), e)
+    term, slope = focal_terms(-z if positive else z, e, _tail(e), focal.gamma)
+    if positive:
+        slope = -slope  # du/dz = -1
+    scale = focal.positive_scale if positive else focal.negative_scale
+    return (term, slope) if scale == 1.0 else (term * scale, slope * scale)
+
+
+def _tail(e):
+    """log1p(e), e in [0, 1]: the float32 polynomial, or float64's own log1p."""
+    return jnp.log1p(e) if e.dtype == jnp.float64 else log1p_unit(e)
 
 
 def log1p_unit(e):

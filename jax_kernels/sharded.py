@@ -23,6 +23,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_kernels.arguments import engine_operands, resolve_impl
 from jax_kernels.core import (
     CutBCEConfig,
     cut_bce_backward,
@@ -32,7 +33,7 @@ from jax_kernels.core import (
     weighted_sum_cotangents,
 )
 from jax_kernels.reduction import finish
-from jax_kernels.shapes import AxisName, check_mesh_axes, choose_impl, mesh_axis_names, tile_width
+from jax_kernels.shapes import AxisName, check_mesh_axes, mesh_axis_names, tile_width
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,18 +345,11 @@ def sharded_loss(size, a, *, mesh, vocab_axis: AxisName, data_axis: AxisName, re
     config = CutBCEConfig(
         block_v=tile_width(block_v, local_n, local_items),
         compute_metrics=return_metrics,
-        impl=choose_impl(impl, jnp.dtype(hidden.dtype).name, jax.default_backend() == "tpu"),
+        impl=resolve_impl(impl, hidden.dtype),
         block_sizes=block_sizes,
         focal=focal,
     )
     layout = ShardedLayout(mesh, vocab_axis, data_axis, config, None if catalog == size.num_items else catalog)
-    operands = (
-        hidden.reshape(n, size.hidden_size),
-        item_weight,
-        targets.reshape(n, size.num_slots),
-        bias,
-        None if class_weight is None else lax.stop_gradient(class_weight),
-        None if pos_weight is None else lax.stop_gradient(pos_weight),
-    )
+    operands = engine_operands(size, hidden, item_weight, targets, bias, class_weight, pos_weight)
     return finish(functools.partial(sharded_rows, layout), functools.partial(sharded_weighted_sum, layout),
                   operands, weight, reduction, size.lead_shape, catalog, return_metrics)
