@@ -119,6 +119,16 @@ class _Positives:
         return d_hidden, d_items, d_bias
 
 
+def _two_sum(total, compensation, x):
+    """`total + x` with its rounding error kept in `compensation` (Knuth's TwoSum, no branch): rows
+    summed over thousands of tiles stay as exact as one tile's sum without a float64 carry (JAX
+    runs with x64 off). XLA does not reassociate floats, so the error terms survive compilation."""
+    new_total = total + x
+    back = new_total - total
+    error = (total - (new_total - back)) + (x - back)
+    return new_total, compensation + error
+
+
 def _counts(negatives_above_zero, p: _Positives):
     """`[2, N]` float32: predicted positives (TP + FP) and hits (TP)."""
     hits = p.hits()
@@ -134,16 +144,16 @@ def blocked_forward(hidden, item_weight, bias, class_weight, pos_weight, ids, *,
     n = hidden.shape[0]
 
     def body(j, carry):
-        rows, above_zero = carry
+        rows, rows_error, above_zero = carry
         z, weight, start, _ = t.tile(j)
         if compute_counts:
             above_zero = above_zero + t.fresh_counts(z, start, j)
-        return rows + t.negatives.rows(z, weight), above_zero
+        return *_two_sum(rows, rows_error, t.negatives.rows(z, weight)), above_zero
 
-    init = (jnp.zeros((n,), t.acc), jnp.zeros((n,), jnp.float32))
-    rows, above_zero = lax.fori_loop(0, t.num_tiles, body, init)
+    init = (jnp.zeros((n,), t.acc), jnp.zeros((n,), t.acc), jnp.zeros((n,), jnp.float32))
+    rows, rows_error, above_zero = lax.fori_loop(0, t.num_tiles, body, init)
     p = _Positives(t)
-    return rows + p.rows(), (_counts(above_zero, p) if compute_counts else None)
+    return rows + (rows_error + p.rows()), (_counts(above_zero, p) if compute_counts else None)
 
 
 def blocked_value_and_grad(hidden, item_weight, bias, class_weight, pos_weight, ids, g, *, block_v: int,
@@ -160,18 +170,19 @@ def blocked_value_and_grad(hidden, item_weight, bias, class_weight, pos_weight, 
     n = hidden.shape[0]
 
     def body(j, carry):
-        rows, above_zero, grads = carry
+        rows, rows_error, above_zero, grads = carry
         z, weight, start, items = t.tile(j)
         if compute_counts:
             above_zero = above_zero + t.fresh_counts(z, start, j)
         tile_rows, dz = t.negatives.rows_grad(z, weight, g)
-        return rows + tile_rows, above_zero, _add_tile_grads(grads, dz, t.h, items, start)
+        return *_two_sum(rows, rows_error, tile_rows), above_zero, _add_tile_grads(grads, dz, t.h, items, start)
 
-    init = (jnp.zeros((n,), t.acc), jnp.zeros((n,), jnp.float32), _zero_grads(hidden, item_weight, bias, t.acc))
-    rows, above_zero, grads = lax.fori_loop(0, t.num_tiles, body, init)
+    zeros = jnp.zeros((n,), t.acc)
+    init = (zeros, zeros, jnp.zeros((n,), jnp.float32), _zero_grads(hidden, item_weight, bias, t.acc))
+    rows, rows_error, above_zero, grads = lax.fori_loop(0, t.num_tiles, body, init)
     p = _Positives(t)
     counts = _counts(above_zero, p) if compute_counts else None
-    return (rows + p.rows(), counts, *p.add_grads(grads, t, g))
+    return (rows + (rows_error + p.rows()), counts, *p.add_grads(grads, t, g))
 
 
 def blocked_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, g, *, block_v: int, focal=None,

@@ -7,6 +7,11 @@ sources, the flags, the compiler's version and the CPU's feature flags, so a dif
 compiler builds its own. The build writes a temporary file and renames it, so processes racing
 for the same key are safe. `TORCH_CUTBCE_NO_COMPILE=1` switches it off (as it does torch.compile);
 callers then use their portable tiles.
+
+A cached library is checked before it is loaded, since loading a damaged one can kill the process
+(SIGBUS/SIGSEGV inside dlopen): its SHA-256, written beside it at build time (`<name>.so.sha256`),
+must match, else it is built again; a loaded library must have every symbol the caller needs. Any
+failure is a BuildError, which the callers turn into one warning and their portable tiles.
 """
 
 from __future__ import annotations
@@ -19,10 +24,17 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-shared", "-fPIC"]
+C_FLAGS = ["-std=c99"]
+
+
+def flags(march: str = "native") -> list[str]:
+    """The compiler flags of every build; `march` other than native only for the tests' checks of
+    what the code compiles to for a given ISA level (tests/test_l1_cpu_tile_isa.py)."""
+    return ["-O3", f"-march={march}", "-fopenmp", "-ffp-contract=fast", "-shared", "-fPIC"]
 
 
 class BuildError(RuntimeError):
@@ -40,17 +52,28 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "torch_cutbce"
 
 
+C_SYMBOLS = ("cutbce_tile", "cutbce_counts", "cutbce_lanes")
+FFI_SYMBOLS = ("cutbce_rows", "cutbce_rows_grad", "cutbce_grad")
+
+
 @functools.cache
 def c_library() -> ctypes.CDLL:
     """`cpu_tile.c` as a ctypes library with `cutbce_tile` and `cutbce_counts` typed; BuildError if
-    it cannot be built here."""
-    lib = _load(_build("cpu_tile.c", _compiler("CC", ("cc", "gcc", "clang")), ["-std=c99"]))
+    it cannot be built here. `library_path(lib)` is its file in the cache."""
+    lib = _load(_build("cpu_tile.c", c_compiler(), C_FLAGS), C_SYMBOLS)
     pointer, size = ctypes.c_void_p, ctypes.c_long
     lib.cutbce_tile.argtypes = [pointer] * 5 + [size, size, ctypes.c_int]
     lib.cutbce_tile.restype = None
     lib.cutbce_counts.argtypes = [pointer, pointer, size, size, ctypes.c_int]
     lib.cutbce_counts.restype = None
+    lib.cutbce_lanes.argtypes = []
+    lib.cutbce_lanes.restype = ctypes.c_int
     return lib
+
+
+def library_path(lib: ctypes.CDLL) -> Path:
+    """The cached file `lib` was loaded from (what its build was keyed by is in the name)."""
+    return Path(lib._name)
 
 
 @functools.cache
@@ -59,22 +82,35 @@ def ffi_library(include_dir: str) -> ctypes.CDLL:
     `include_dir`; BuildError if it cannot be built here."""
     compiler = _compiler("CXX", ("c++", "g++", "clang++"))
     return _load(_build("cpu_tile_ffi.cc", compiler, ["-std=c++17", f"-I{include_dir}", f"-I{_HERE}"],
-                        extra_sources=("cpu_tile.c",), key_extra=_headers_digest(include_dir)))
+                        extra_sources=("cpu_tile.c",), key_extra=_headers_digest(include_dir)), FFI_SYMBOLS)
+
+
+def c_compiler() -> str:
+    return _compiler("CC", ("cc", "gcc", "clang"))
 
 
 def _compiler(variable: str, candidates: tuple[str, ...]) -> str:
+    """`$variable` if it is set (a set one that is not an executable is an error, not skipped: the
+    user asked for that compiler), else the first of `candidates` on PATH."""
     if disabled():
         raise BuildError("TORCH_CUTBCE_NO_COMPILE is set")
-    for name in ([os.environ[variable]] if os.environ.get(variable) else []) + list(candidates):
+    configured = os.environ.get(variable)
+    if configured:
+        path = shutil.which(configured)
+        if not path:
+            raise BuildError(f"${variable}={configured!r} is not an executable compiler (unset it to use "
+                             f"one of {', '.join(candidates)} from PATH)")
+        return path
+    for name in candidates:
         path = shutil.which(name)
         if path:
             return path
     raise BuildError(f"no C/C++ compiler found (${variable}, or one of {', '.join(candidates)} on PATH)")
 
 
-def _build(source: str, compiler: str, flags: list[str], extra_sources=(), key_extra: str = "") -> Path:
+def _build(source: str, compiler: str, extra_flags: list[str], extra_sources=(), key_extra: str = "") -> Path:
     """The cached library built from `source` (and the files it includes, `extra_sources`)."""
-    command_flags = _FLAGS + flags
+    command_flags = flags() + extra_flags
     digest = hashlib.sha256()
     for name in (source, *extra_sources):
         digest.update((_HERE / name).read_bytes())
@@ -82,7 +118,10 @@ def _build(source: str, compiler: str, flags: list[str], extra_sources=(), key_e
         digest.update(part.encode())
     target = cache_dir() / f"{Path(source).stem}-{digest.hexdigest()[:20]}.so"
     if target.exists():
-        return target
+        if _intact(target):
+            return target
+        warnings.warn(f"torch_cutbce: the cached CPU tile kernel {target} does not match the digest "
+                      f"recorded when it was built (damaged or replaced); building it again")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so.tmp", delete=False) as scratch:
@@ -95,7 +134,10 @@ def _build(source: str, compiler: str, flags: list[str], extra_sources=(), key_e
                                 capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
             raise BuildError(f"{Path(compiler).name} failed on {source}:\n{result.stderr[-2000:]}")
-        os.replace(temporary, target)  # atomic: a process racing for the same key finds a whole file
+        # The digest first, then the library, each renamed into place: a process racing for the
+        # same key finds either no library or a whole one whose digest is already there.
+        _write_atomically(_digest_path(target), _file_digest(temporary), target.parent)
+        os.replace(temporary, target)
     except (OSError, subprocess.SubprocessError) as error:
         raise BuildError(f"cannot build {source} with {compiler}: {error}") from error
     finally:
@@ -103,11 +145,41 @@ def _build(source: str, compiler: str, flags: list[str], extra_sources=(), key_e
     return target
 
 
-def _load(path: Path) -> ctypes.CDLL:
+def _digest_path(library: Path) -> Path:
+    return library.with_name(library.name + ".sha256")
+
+
+def _file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _write_atomically(path: Path, text: str, folder: Path) -> None:
+    with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as scratch:
+        scratch.write(text)
+    os.replace(scratch.name, path)
+
+
+def _intact(library: Path) -> bool:
+    """Whether `library` is the file its build wrote (its recorded SHA-256 matches): a truncated,
+    overwritten or foreign file is not, and is built again rather than loaded."""
     try:
-        return ctypes.CDLL(str(path))
+        return _digest_path(library).read_text().strip() == _file_digest(library)
+    except OSError:
+        return False
+
+
+def _load(path: Path, symbols: tuple[str, ...]) -> ctypes.CDLL:
+    """The library at `path` (checked by `_intact` just before), with every one of `symbols`."""
+    if not _intact(path):
+        raise BuildError(f"{path} does not match the digest recorded when it was built")
+    try:
+        lib = ctypes.CDLL(str(path))
     except OSError as error:
         raise BuildError(f"cannot load {path}: {error}") from error
+    missing = [name for name in symbols if not hasattr(lib, name)]
+    if missing:
+        raise BuildError(f"{path} lacks the kernel's symbols {missing}; delete it to rebuild")
+    return lib
 
 
 @functools.cache

@@ -29,6 +29,14 @@ class Focal:
     apply_class_balancing: bool = False
 
     def __post_init__(self):
+        self.validate()
+        object.__setattr__(self, "gamma", float(self.gamma))
+        object.__setattr__(self, "alpha", float(self.alpha))
+
+    def validate(self) -> None:
+        """Raises TypeError / ValueError naming the field that is out of range. Run at construction
+        and again by `check_focal` at every call (a frozen dataclass can still be changed through
+        `object.__setattr__`)."""
         for name in ("gamma", "alpha"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -39,8 +47,6 @@ class Focal:
             raise ValueError(f"focal alpha must be in [0, 1], got {self.alpha}")
         if not isinstance(self.apply_class_balancing, bool):
             raise TypeError(f"focal apply_class_balancing must be a bool, got {self.apply_class_balancing!r}")
-        object.__setattr__(self, "gamma", float(self.gamma))
-        object.__setattr__(self, "alpha", float(self.alpha))
 
     @property
     def positive_scale(self) -> float:
@@ -61,6 +67,7 @@ def check_focal(focal) -> Focal | None:
         return None
     if not isinstance(focal, Focal):
         raise TypeError(f"focal must be None or a Focal(gamma, alpha, apply_class_balancing), got {focal!r}")
+    focal.validate()
     return None if focal.gamma == 0.0 and not focal.apply_class_balancing else focal
 
 

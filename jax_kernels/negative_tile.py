@@ -12,8 +12,10 @@ column weight. `NegativeTile(focal, cpu_kernel)` has
 On the CPU, float32 plain BCE runs the C kernel `cpu_tile.c` through XLA's FFI: one pass over the
 tile that writes dz over z, where XLA:CPU's own fusions read the tile several times and make the
 row sums a slow reduction (benchmarks/NOTES.md section 7). Everywhere else (GPU, TPU lowering,
-float64, focal, the torch_xla bridge, no C++ compiler, TORCH_CUTBCE_NO_COMPILE=1) the same math
-runs as jnp.
+float64, focal, the torch_xla bridge, no C++ compiler, TORCH_CUTBCE_NO_COMPILE=1, or
+TORCH_CUTBCE_TILE=xla) the same math runs as jnp. Unlike torch's tiles, JAX does not time the two:
+it takes the kernel wherever it builds. Both sum a row of any width to a few roundings (the kernel
+through a double, jnp pairwise on the CPU: `_halving_row_sum`).
 """
 
 from __future__ import annotations
@@ -26,11 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_kernels import cpu_tile_build
+from jax_kernels import cpu_tile_build, tile_choice
 from jax_kernels.positives import branch_terms
-
-_TARGETS = ("cutbce_rows", "cutbce_rows_grad", "cutbce_grad")
-
 
 @functools.cache
 def _ffi_registered() -> bool:
@@ -40,9 +39,17 @@ def _ffi_registered() -> bool:
     except cpu_tile_build.BuildError as error:
         warnings.warn(f"jax_kernels: the CPU tile kernel could not be built ({error}); using jnp tiles")
         return False
-    for name in _TARGETS:
+    for name in cpu_tile_build.FFI_SYMBOLS:
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
     return True
+
+
+TILES = ("c_kernel", "xla")  # TORCH_CUTBCE_TILE's values here; torch's 'compiled' / 'eager' mean 'xla'
+
+
+def _kernel_not_refused() -> bool:
+    """False where TORCH_CUTBCE_TILE names another tile than the C kernel (read at trace time)."""
+    return tile_choice.forced(TILES + ("compiled", "eager")) in (None, "c_kernel")
 
 
 def _threads() -> np.int32:
@@ -57,36 +64,64 @@ def _on_cpu(kernel, portable, *args):
 # -- the FFI calls (CPU, float32) ----------------------------------------------------------------------
 
 
+# vmap_method: under jax.vmap the batch runs as a loop of calls (the handlers take one [n, v] tile).
+
+
 def _kernel_rows(z, w):
     out = jax.ShapeDtypeStruct(z.shape[:1], jnp.float32)
-    return jax.ffi.ffi_call("cutbce_rows", out)(z, w, threads=_threads())
+    return jax.ffi.ffi_call("cutbce_rows", out, vmap_method="sequential")(z, w, threads=_threads())
 
 
 def _kernel_rows_grad(z, w, g):
     out = (jax.ShapeDtypeStruct(z.shape, jnp.float32), jax.ShapeDtypeStruct(z.shape[:1], jnp.float32))
-    dz, rows = jax.ffi.ffi_call("cutbce_rows_grad", out, input_output_aliases={0: 0})(z, w, g, threads=_threads())
+    call = jax.ffi.ffi_call("cutbce_rows_grad", out, input_output_aliases={0: 0}, vmap_method="sequential")
+    dz, rows = call(z, w, g, threads=_threads())
     return rows, dz
 
 
 def _kernel_grad(z, w, g):
     out = jax.ShapeDtypeStruct(z.shape, jnp.float32)
-    return jax.ffi.ffi_call("cutbce_grad", out, input_output_aliases={0: 0})(z, w, g, threads=_threads())
+    call = jax.ffi.ffi_call("cutbce_grad", out, input_output_aliases={0: 0}, vmap_method="sequential")
+    return call(z, w, g, threads=_threads())
 
 
 # -- the same in jnp ----------------------------------------------------------------------------------
 
 
+def _halving_row_sum(x):
+    """`x.sum(-1)` as a pairwise sum: the first half of the columns added to the second until 256
+    are left. XLA:CPU adds a row in a few float32 lanes, so a row of 2**21 equal terms drifts by
+    1e-3; halving keeps it to about log2(width) roundings, for about one more pass over the tile."""
+    while x.shape[-1] > 256:
+        half = x.shape[-1] // 2
+        folded = x[..., :half] + x[..., half:2 * half]
+        if x.shape[-1] % 2:
+            folded = folded.at[..., -1].add(x[..., -1])
+        x = folded
+    return x.sum(-1)
+
+
+def _weighted_row_sum(loss, w):
+    """`loss @ w`, pairwise where it is lowered for the CPU (GPU and TPU reduce as trees already)."""
+    return jax.lax.platform_dependent(loss, w, cpu=lambda x, w: _halving_row_sum(x * w), default=jnp.matmul)
+
+
 def _portable_rows(z, w, focal=None):
-    return branch_terms(z, False, focal)[0] @ w
+    return _weighted_row_sum(branch_terms(z, False, focal)[0], w)
+
+
+def _tile_grad(z, slope, w, g):
+    """`g w slope`, exactly 0 at the positives taken out (z = -inf) also for an infinite g w."""
+    return jnp.where(z == -jnp.inf, 0, g[:, None] * slope * w)
 
 
 def _portable_rows_grad(z, w, g, focal=None):
     loss, slope = branch_terms(z, False, focal)
-    return loss @ w, g[:, None] * slope * w
+    return _weighted_row_sum(loss, w), _tile_grad(z, slope, w, g)
 
 
 def _portable_grad(z, w, g, focal=None):
-    return g[:, None] * branch_terms(z, False, focal)[1] * w
+    return _tile_grad(z, branch_terms(z, False, focal)[1], w, g)
 
 
 # -- what blocked.py calls ----------------------------------------------------------------------------
@@ -102,7 +137,8 @@ class NegativeTile:
     def _kernel(self, z) -> bool:
         # A TPU or GPU host does not build the kernel (its computations lower for the accelerator).
         return (self.cpu_kernel and self.focal is None and z.dtype == jnp.float32
-                and jax.default_backend() == "cpu" and not cpu_tile_build.disabled() and _ffi_registered())
+                and jax.default_backend() == "cpu" and not cpu_tile_build.disabled() and _kernel_not_refused()
+                and _ffi_registered())
 
     def rows(self, z, w):
         if self._kernel(z):

@@ -239,7 +239,8 @@ def test_the_library_is_built_once_and_cached(tmp_path, monkeypatch):
     stamp = first.stat().st_mtime_ns
     assert cpu_tile_build._build("cpu_tile.c", compiler, ["-std=c99"]) == first
     assert first.stat().st_mtime_ns == stamp and first.parent == tmp_path
-    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
+    # the library and its digest, no temporary left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == [first.name, first.name + ".sha256"]
 
 
 def test_build_failures_are_build_errors(tmp_path, monkeypatch):

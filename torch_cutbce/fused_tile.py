@@ -22,13 +22,12 @@ with timings: benchmarks/NOTES.md sections 1 and 7.
 from __future__ import annotations
 
 import functools
-import os
 import time
 import warnings
 
 import torch
 
-from jax_kernels import cpu_tile_build  # framework-neutral: no jax import
+from jax_kernels import cpu_tile_build, tile_choice  # framework-neutral: no jax import
 
 _compile_seconds: dict[str, float] = {}
 _compile_failed = False
@@ -59,24 +58,36 @@ def _log1p_from_t(t):
     return 2 * t * (1.0000000038619887 + s * p)
 
 
+def _row_sum(x):
+    """Each row's sum, in float64 on the CPU: inductor's C++ adds a row in float32 lanes (cascading
+    only every 2**20 elements), which drifts by 1e-3 over a row of 2**21 equal terms. About 18% on
+    the compiled rows_grad. (CUDA's Triton reduction stays float32: not measured here, no GPU.)"""
+    return x.sum(-1, dtype=torch.float64 if x.device.type == "cpu" else None)
+
+
 def _rows(z, cw):
     # t = e / (2 + e) written as 1 / (2 exp(|z|) + 1), so the exponential has one user: inductor on
     # CPU writes an exp with several users to memory before a reduction (two loops over the tile).
     # exp(|z|) = inf for |z| > 88 gives t = 0: log1p(e) is then below float32's smallest normal.
     t = 1 / (2 * torch.exp(z.abs()) + 1)
-    return ((torch.clamp_min(z, 0) + _log1p_from_t(t)) * cw).sum(-1)
+    return _row_sum((torch.clamp_min(z, 0) + _log1p_from_t(t)) * cw)
+
+
+def _taken_out_to_zero(z, dz):
+    """dz with exactly 0 at the positives taken out (z = -inf), also where g cw is infinite (inf * 0)."""
+    return torch.where(z == float("-inf"), 0.0, dz)
 
 
 def _rows_grad(z, cw, g, out):
     e = torch.exp(-z.abs())
-    rows = ((torch.clamp_min(z, 0) + _log1p_unit(e)) * cw).sum(-1)
-    out.copy_(torch.where(z >= 0, 1.0, e) / (1 + e) * (g * cw))
+    rows = _row_sum((torch.clamp_min(z, 0) + _log1p_unit(e)) * cw)
+    out.copy_(_taken_out_to_zero(z, torch.where(z >= 0, 1.0, e) / (1 + e) * (g * cw)))
     return rows
 
 
 def _grad(z, cw, g, out):
     e = torch.exp(-z.abs())
-    out.copy_(torch.where(z >= 0, 1.0, e) / (1 + e) * (g * cw))
+    out.copy_(_taken_out_to_zero(z, torch.where(z >= 0, 1.0, e) / (1 + e) * (g * cw)))
 
 
 def _counts(z):
@@ -98,19 +109,19 @@ def _focal_parts(z, gamma):
 
 def _focal_rows(z, cw, gamma):
     _, softplus, factor = _focal_parts(z, gamma)
-    return (factor * softplus * cw).sum(-1)
+    return _row_sum(factor * softplus * cw)
 
 
 def _focal_dz_into(out, z, e, softplus, factor, cw, gamma, g):
     sigmoid = torch.where(z >= 0, 1.0, e) / (1 + e)
     sigmoid_neg = torch.where(z >= 0, e, 1.0) / (1 + e)
-    out.copy_(factor * (gamma * sigmoid_neg * softplus + sigmoid) * (g * cw))
+    out.copy_(_taken_out_to_zero(z, factor * (gamma * sigmoid_neg * softplus + sigmoid) * (g * cw)))
 
 
 def _focal_rows_grad(z, cw, gamma, g, out):
     e, softplus, factor = _focal_parts(z, gamma)
     _focal_dz_into(out, z, e, softplus, factor, cw, gamma, g)
-    return (factor * softplus * cw).sum(-1)
+    return _row_sum(factor * softplus * cw)
 
 
 def _focal_grad(z, cw, gamma, g, out):
@@ -125,10 +136,15 @@ _FUNCTIONS = {"rows": _rows, "rows_grad": _rows_grad, "grad": _grad, "counts": _
 # -- eager twins: the same formulas, in place where they can be ----------------------------------
 
 
+def _eager_weighted_sum(loss, cw):
+    """`sum_v cw loss`; consumes loss. torch's sum cascades (exact to a few roundings at any
+    width); `loss @ cw` would not (BLAS's float32 lanes drift over a wide row)."""
+    return (loss if cw is None else loss.mul_(cw)).sum(-1)
+
+
 def _eager_softplus_sum(z, e, cw):
     """`sum_v cw softplus(z)` from `e = exp(-|z|)`; consumes e."""
-    loss = e.log1p_().add_(z.clamp(min=0))
-    return loss.sum(-1) if cw is None else loss @ cw[0]
+    return _eager_weighted_sum(e.log1p_().add_(z.clamp(min=0)), cw)
 
 
 def _eager_sigmoid_into(out, z, e, cw, g):
@@ -136,6 +152,7 @@ def _eager_sigmoid_into(out, z, e, cw, g):
     out.mul_(g)
     if cw is not None:
         out.mul_(cw)
+    out.masked_fill_(z == float("-inf"), 0.0)  # as _taken_out_to_zero (out is never z here)
 
 
 def _eager_rows(z, cw):
@@ -160,8 +177,7 @@ def _eager_focal_parts(z, gamma):
 
 def _eager_focal_rows(z, cw, gamma):
     _, softplus, factor = _eager_focal_parts(z, gamma)
-    loss = factor.mul_(softplus)
-    return loss.sum(-1) if cw is None else loss @ cw[0]
+    return _eager_weighted_sum(factor.mul_(softplus), cw)
 
 
 def _eager_focal_dz_into(out, z, e, softplus, factor, cw, gamma, g):
@@ -171,13 +187,13 @@ def _eager_focal_dz_into(out, z, e, softplus, factor, cw, gamma, g):
     out.mul_(g)
     if cw is not None:
         out.mul_(cw)
+    out.masked_fill_(z == float("-inf"), 0.0)
 
 
 def _eager_focal_rows_grad(z, cw, gamma, g, out):
     e, softplus, factor = _eager_focal_parts(z, gamma)
     _eager_focal_dz_into(out, z, e, softplus, factor, cw, gamma, g)
-    loss = factor.mul_(softplus)
-    return loss.sum(-1) if cw is None else loss @ cw[0]
+    return _eager_weighted_sum(factor.mul_(softplus), cw)
 
 
 def _eager_focal_grad(z, cw, gamma, g, out):
@@ -206,20 +222,10 @@ def _cpu_library():
 _CPU_KERNEL_FUNCTIONS = ("rows", "rows_grad", "grad", "counts")
 
 
-def _cpu_kernel_ready(dtype: torch.dtype, device: torch.device) -> bool:
-    # TORCH_CUTBCE_NO_COMPILE is read at every call (as for torch.compile), before the cached build.
-    return (dtype == torch.float32 and device.type == "cpu" and not cpu_tile_build.disabled()
-            and _cpu_library() is not None)
-
-
-def _uses_cpu_kernel(name: str, z: torch.Tensor) -> bool:
-    return name in _CPU_KERNEL_FUNCTIONS and _cpu_kernel_ready(z.dtype, z.device)
-
-
 def writes_grad_in_place(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the plain tile functions take `out=z` at no cost (the CPU kernel reads each element
     before writing it); torch.compile's kernels read an aliased tile twice, so they get a buffer."""
-    return _cpu_kernel_ready(dtype, device)
+    return dtype == torch.float32 and device.type == "cpu" and _plain_cpu_tile() == "c_kernel"
 
 
 def _run_cpu_kernel(name: str, z: torch.Tensor, cw=None, g=None, out=None):
@@ -245,7 +251,67 @@ def _address(x: torch.Tensor | None):
     return x.data_ptr()
 
 
-# -- dispatch -----------------------------------------------------------------------------------------
+# -- which tile runs ------------------------------------------------------------------------------------
+
+TILES = ("c_kernel", "compiled", "eager")  # the candidates for plain float32 CPU tiles
+_MEASURED_TILE = (1024, 1024)  # rows_grad of one [N, block_v] tile this size times each candidate
+
+
+def _compiling_allowed() -> bool:
+    return not _compile_failed and not cpu_tile_build.disabled()
+
+
+def _plain_cpu_tile() -> str:
+    """The tile for plain float32 CPU tiles: `TORCH_CUTBCE_TILE` if it names one that is available,
+    else the candidate measured fastest on this machine (`jax_kernels/tile_choice.py`), else
+    torch.compile's tile without the C kernel, the eager one without a compiler. Env read per call."""
+    if cpu_tile_build.disabled():
+        return "eager"
+    library = _cpu_library()
+    forced = tile_choice.forced(TILES)
+    if forced == "eager" or (forced == "compiled" and _compiling_allowed()) or (forced == "c_kernel" and library):
+        return forced
+    if library is None:
+        return "compiled" if _compiling_allowed() else "eager"
+    return _measured_cpu_tile().name
+
+
+@functools.cache
+def _measured_cpu_tile() -> tile_choice.Choice:
+    """The fastest candidate, measured once per machine and torch version (cached beside the build)."""
+    library_file = cpu_tile_build.library_path(_cpu_library())
+    path = library_file.with_name(f"{library_file.name}.torch-{torch.__version__}.json")
+    names = [tile for tile in TILES if tile != "compiled" or _compiling_allowed()]
+    choice = tile_choice.cached_choice(path, {tile: (lambda tile=tile: _time_candidate(tile)) for tile in names})
+    message = f"torch_cutbce: float32 CPU tiles use '{choice.name}': {choice.why}; {tile_choice.ENV} forces one of {TILES}"
+    tile_choice.logger.info(message)
+    if choice.measured_now:
+        warnings.warn(message, TileCompileWarning, stacklevel=2)
+    return choice
+
+
+def _time_candidate(tile: str) -> float:
+    """Median ms of rows_grad on one `_MEASURED_TILE` tile with `tile`, as the engines call it."""
+    z = torch.randn(_MEASURED_TILE, generator=torch.Generator().manual_seed(0)) * 4
+    g, out = torch.full((z.shape[0], 1), 1e-3), torch.empty_like(z)
+
+    def run():
+        if tile == "c_kernel":
+            return _run_cpu_kernel("rows_grad", z, None, g, z)  # in place, as the engines call it
+        if tile == "compiled":
+            result = _run_compiled("rows_grad", z, None, g, out)
+            if _compile_failed:
+                raise RuntimeError("torch.compile failed")
+            return result
+        return _EAGER["rows_grad"](z, None, g, out)
+
+    return tile_choice.median_ms(run)
+
+
+def _tile_for(name: str, z: torch.Tensor) -> str:
+    if name in _CPU_KERNEL_FUNCTIONS and z.dtype == torch.float32 and z.device.type == "cpu":
+        return _plain_cpu_tile()
+    return "compiled" if _can_compile(z) else "eager"  # focal, CUDA, float64, bfloat16
 
 
 @functools.cache
@@ -262,7 +328,8 @@ def _compiled(name: str, threads: int):
 
 
 class TileCompileWarning(UserWarning):
-    """Said once per process, before the first tile function is compiled (it takes a while)."""
+    """Said once per process before the first tile function is compiled (it takes a while), and
+    once per machine when the CPU tile is chosen by measuring the candidates."""
 
 
 def _announce_compile() -> None:
@@ -271,7 +338,7 @@ def _announce_compile() -> None:
         "(about 10-60 s on a fresh machine, a few seconds once inductor's on-disk cache holds them; "
         "TORCH_CUTBCE_NO_COMPILE=1 skips this and runs slower eager tiles)",
         TileCompileWarning,
-        stacklevel=4,
+        stacklevel=5,
     )
 
 
@@ -282,9 +349,7 @@ def _ones_row(width: int, dtype: torch.dtype, device: torch.device) -> torch.Ten
 
 
 def _can_compile(z: torch.Tensor) -> bool:
-    if _compile_failed or os.environ.get("TORCH_CUTBCE_NO_COMPILE", "") not in ("", "0"):
-        return False
-    if z.dtype != torch.float32 or min(z.shape) < 2:
+    if not _compiling_allowed() or z.dtype != torch.float32 or min(z.shape) < 2:
         return False
     if z.device.type == "cpu":
         return True
@@ -297,11 +362,16 @@ def _can_compile(z: torch.Tensor) -> bool:
 
 def _run(name: str, z: torch.Tensor, *args):
     """`args` are `(cw, g, out)`, `(cw,)` or none (counts); focal functions take gamma after cw."""
-    global _compile_failed
-    if _uses_cpu_kernel(name, z):
+    tile = _tile_for(name, z)
+    if tile == "c_kernel":
         return _run_cpu_kernel(name, z, *args)
-    if not _can_compile(z):
-        return _EAGER[name](z, *args)
+    if tile == "compiled" and min(z.shape) >= 2:
+        return _run_compiled(name, z, *args)
+    return _EAGER[name](z, *args)
+
+
+def _run_compiled(name: str, z: torch.Tensor, *args):
+    global _compile_failed
     # One kernel per function, compiled once: dynamo guards on aliasing and on whether a small input
     # is a view, so a missing class weight becomes its own ones row (one multiply per element) and
     # the `[1, bv]` / `[bn, 1]` inputs are passed as tensors of their own (a copy of a few KiB).

@@ -95,6 +95,8 @@ def _rows_setup(ctx, inputs, output):
 
 def _rows_grad(ctx, g_rows, _g_counts, _g_logits, _g_ids):
     _refuse_double_backward()
+    if g_rows is None:  # the rows' gradient is undefined (not materialized): every input's is too
+        return (None,) * 13
     hidden, item_weight, bias, class_weight, pos_weight, ids, logits = ctx.saved_tensors
     need = ctx.needs_input_grad[:3]
     grads = _rows_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, logits, g_rows,

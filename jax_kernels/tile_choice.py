@@ -1,0 +1,92 @@
+"""Which float32 CPU tile runs on this machine: the candidate measured fastest, once per machine.
+
+The C kernel is not faster everywhere (a compiler that vectorizes it badly, a CPU it was not tuned
+for), so its first use times each candidate on one small tile and keeps the fastest. The choice is
+cached beside the kernel's build (`<library>.<label>.json`, so it is keyed as the build is: sources,
+flags, compiler, CPU) and reused by every later process. `TORCH_CUTBCE_TILE` forces a candidate
+(`auto`, the default, measures). Framework-neutral: the callers pass the candidates as functions.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+ENV = "TORCH_CUTBCE_TILE"
+logger = logging.getLogger("torch_cutbce.tiles")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """`name` the candidate in use; `why` says how it was chosen (for the log and the warning)."""
+
+    name: str
+    why: str
+    measured_now: bool = False
+
+
+def forced(choices: tuple[str, ...]) -> str | None:
+    """The candidate `TORCH_CUTBCE_TILE` names, or None for 'auto' / unset.
+
+    Raises:
+      ValueError: a value that is neither 'auto' nor one of `choices`.
+    """
+    value = os.environ.get(ENV, "").strip()
+    if value in ("", "auto"):
+        return None
+    if value not in choices:
+        raise ValueError(f"{ENV}={value!r}: expected 'auto' or one of {choices}")
+    return value
+
+
+def fastest(timings_ms: dict[str, float]) -> str:
+    """The candidate with the smallest time (the first listed on a tie)."""
+    return min(timings_ms, key=lambda name: timings_ms[name])
+
+
+def median_ms(run: Callable[[], object], repeats: int = 5) -> float:
+    """Median wall time of `run()` in ms, after one untimed call (a compile, a cold cache)."""
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def cached_choice(path: Path, candidates: dict[str, Callable[[], float]]) -> Choice:
+    """The candidate cached in `path` if it is still one of `candidates`, else each candidate's
+    measurement (a function returning ms; one that raises drops out), the fastest written to `path`.
+    A cache that cannot be written is only logged: the choice stands for this process."""
+    try:
+        cached = json.loads(path.read_text())
+        if cached.get("choice") in candidates:
+            return Choice(cached["choice"], f"cached in {path} ({_timings_text(cached['timings_ms'])})")
+    except (OSError, ValueError, KeyError, AttributeError, TypeError):
+        pass  # missing or unreadable: measure again
+    timings_ms = {}
+    for name, measure in candidates.items():
+        try:
+            timings_ms[name] = float(measure())
+        except Exception as error:  # a candidate that fails here is not a candidate
+            logger.debug("tile candidate %s failed: %r", name, error)
+    name = fastest(timings_ms)
+    try:
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as scratch:
+            json.dump({"choice": name, "timings_ms": timings_ms}, scratch)
+        os.replace(scratch.name, path)
+    except OSError as error:
+        logger.debug("cannot cache the tile choice in %s: %r", path, error)
+    return Choice(name, f"measured now ({_timings_text(timings_ms)}), cached in {path}", measured_now=True)
+
+
+def _timings_text(timings_ms: dict[str, float]) -> str:
+    return ", ".join(f"{name} {ms:.3g} ms" for name, ms in timings_ms.items())

@@ -1,0 +1,149 @@
+"""The CPU tile kernel's cache and build are safe: what is wrong with them is a warning, never a crash.
+
+- A cached library that is truncated, has its middle zeroed, or was replaced by another library is
+  caught before dlopen (its digest), rebuilt with one warning, and the loss is right, for the
+  ctypes library (torch) and the FFI one (JAX), in a fresh process each (dlopen of a damaged file
+  killed the process with SIGBUS / SIGSEGV).
+- A loadable library without the kernel's symbols is a BuildError (one warning, the fallback tiles).
+- A `$CC` that does not exist is a BuildError naming it, not a silent switch to another compiler.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jax_kernels import cpu_tile_build
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A fresh process: builds (or loads) the kernel from the cache given, runs the loss through it and
+# prints what it warned, which tile ran and the relative error of the loss against float64.
+_TORCH_RUN = """
+import json, warnings
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as caught:
+    import torch
+    from torch_cutbce import cut_bce_with_logits, fused_tile
+    from torch_cutbce.reference import dense_bce_with_logits
+    g = torch.Generator().manual_seed(0)
+    h, e = torch.randn(33, 8, generator=g), torch.randn(301, 8, generator=g)
+    t = torch.randint(-1, 301, (33, 4), generator=g)
+    loss = cut_bce_with_logits(h, e, t, reduction="sum")
+    truth = dense_bce_with_logits(h.double(), e.double(), t, reduction="sum")
+print(json.dumps({"warnings": [str(w.message) for w in caught if "torch_cutbce" in str(w.message)],
+                  "tile": fused_tile._plain_cpu_tile(), "error": abs(float(loss) - float(truth)) / float(truth)}))
+"""
+
+_JAX_RUN = """
+import json, warnings
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as caught:
+    import jax, jax.numpy as jnp, numpy as np
+    from jax_kernels import cut_bce, negative_tile
+    from jax_kernels.reference import dense_cut_bce
+    rng = np.random.default_rng(0)
+    h, e = jnp.asarray(rng.standard_normal((33, 8)), jnp.float32), jnp.asarray(rng.standard_normal((301, 8)), jnp.float32)
+    t = jnp.asarray(rng.integers(-1, 301, (33, 4)), jnp.int32)
+    loss = float(cut_bce(h, e, t, reduction="sum"))
+    jax.config.update("jax_enable_x64", True)
+    truth = float(dense_cut_bce(jnp.asarray(h, jnp.float64), jnp.asarray(e, jnp.float64), t, reduction="sum"))
+print(json.dumps({"warnings": [str(w.message) for w in caught if "kernel" in str(w.message)],
+                  "tile": "c_kernel" if negative_tile._ffi_registered() else "xla", "error": abs(loss - truth) / truth}))
+"""
+
+
+def _run(script: str, cache: Path) -> dict:
+    env = {**os.environ, "TORCH_CUTBCE_CACHE_DIR": str(cache), "TORCH_CUTBCE_TILE": "c_kernel"}
+    env.pop("TORCH_CUTBCE_NO_COMPILE", None)
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, f"the process died (rc {done.returncode}):\n{done.stderr[-3000:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _compiler() -> str:
+    try:
+        return cpu_tile_build.c_compiler()
+    except cpu_tile_build.BuildError as error:
+        pytest.skip(f"no C compiler: {error}")
+
+
+def _foreign_library(path: Path) -> None:
+    """A loadable shared library at `path` without any of the kernel's symbols."""
+    source = path.with_suffix(".c")
+    source.write_text("int something_else(void) { return 1; }\n")
+    subprocess.run([_compiler(), "-shared", "-fPIC", str(source), "-o", str(path)], check=True)
+    source.unlink()
+
+
+def _damage(library: Path, how: str) -> None:
+    if how == "foreign":
+        _foreign_library(library)
+        return
+    data = bytearray(library.read_bytes())
+    if how == "truncated":
+        data = data[: len(data) // 2]
+    else:  # middle zeroed
+        quarter = len(data) // 4
+        data[quarter: 3 * quarter] = bytes(2 * quarter)
+    library.write_bytes(data)
+
+
+def _check_damage_is_survived(script: str, prefix: str, how: str, cache: Path) -> None:
+    first = _run(script, cache)
+    assert first["tile"] == "c_kernel" and not first["warnings"], first
+    (library,) = cache.glob(f"{prefix}-*.so")
+    _damage(library, how)
+    second = _run(script, cache)
+    assert second["tile"] == "c_kernel", second  # rebuilt, not given up
+    assert len(second["warnings"]) == 1 and "does not match the digest" in second["warnings"][0], second
+    assert second["error"] <= 1e-5, second
+    assert not _run(script, cache)["warnings"]  # the rebuilt file is whole again
+
+
+@pytest.mark.parametrize("how", ["truncated", "middle zeroed", "foreign"])
+def test_a_damaged_cached_c_library_is_rebuilt_with_one_warning(how, tmp_path):
+    _check_damage_is_survived(_TORCH_RUN, "cpu_tile", how, tmp_path)
+
+
+@pytest.mark.jax
+@pytest.mark.parametrize("how", ["truncated", "middle zeroed", "foreign"])
+def test_a_damaged_cached_ffi_library_is_rebuilt_with_one_warning(how, tmp_path):
+    _check_damage_is_survived(_JAX_RUN, "cpu_tile_ffi", how, tmp_path)
+
+
+def test_a_library_without_the_kernels_symbols_is_a_build_error(tmp_path):
+    foreign = tmp_path / "foreign.so"
+    _foreign_library(foreign)
+    # Whole, with its digest recorded (as if built here): only the symbol check can tell.
+    cpu_tile_build._write_atomically(cpu_tile_build._digest_path(foreign), cpu_tile_build._file_digest(foreign),
+                                     tmp_path)
+    with pytest.raises(cpu_tile_build.BuildError, match="lacks the kernel's symbols.*cutbce_tile"):
+        cpu_tile_build._load(foreign, cpu_tile_build.C_SYMBOLS)
+    with pytest.raises(cpu_tile_build.BuildError, match="does not match the digest"):
+        foreign.write_bytes(foreign.read_bytes()[:100])
+        cpu_tile_build._load(foreign, cpu_tile_build.C_SYMBOLS)
+
+
+@pytest.mark.parametrize("variable, finder", [("CC", cpu_tile_build.c_compiler),
+                                              ("CXX", lambda: cpu_tile_build._compiler("CXX", ("c++",)))])
+def test_a_compiler_variable_that_names_no_compiler_is_an_error(variable, finder, monkeypatch):
+    monkeypatch.delenv("TORCH_CUTBCE_NO_COMPILE", raising=False)
+    monkeypatch.setenv(variable, "/nonexistent/cc")
+    with pytest.raises(cpu_tile_build.BuildError, match=rf"\${variable}='/nonexistent/cc' is not an executable"):
+        finder()
+
+
+def test_the_build_records_the_librarys_digest(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_CUTBCE_CACHE_DIR", str(tmp_path))
+    library = cpu_tile_build._build("cpu_tile.c", _compiler(), cpu_tile_build.C_FLAGS)
+    recorded = cpu_tile_build._digest_path(library).read_text().strip()
+    assert recorded == cpu_tile_build._file_digest(library) and cpu_tile_build._intact(library)
+    library.write_bytes(library.read_bytes() + b"\0")
+    assert not cpu_tile_build._intact(library)
