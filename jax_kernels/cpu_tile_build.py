@@ -31,9 +31,11 @@ _HERE = Path(__file__).resolve().parent
 C_FLAGS = ["-std=c99"]
 
 
-def flags(march: str = "native") -> list[str]:
-    """The compiler flags of every build; `march` other than native only for the tests' checks of
-    what the code compiles to for a given ISA level (tests/test_l1_cpu_tile_isa.py)."""
+def flags(march: str | None = None) -> list[str]:
+    """The compiler flags of every build. `-march` is `march`, else `$TORCH_CUTBCE_MARCH`, else
+    native: another level builds a library for other machines (x86-64-v3 for any AVX2 CPU), and
+    lets the tests and benchmarks build and time one ISA level on a CPU that has more."""
+    march = march or os.environ.get("TORCH_CUTBCE_MARCH") or "native"
     return ["-O3", f"-march={march}", "-fopenmp", "-ffp-contract=fast", "-shared", "-fPIC"]
 
 

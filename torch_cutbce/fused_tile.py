@@ -11,12 +11,15 @@ exact to rounding for any z.
     grad(z, cw, g, out)        -> writes dz into `out`
     counts(z)                  -> #{v : z > 0} per row (metrics)
 
-float32 tiles on the CPU run the C kernel `jax_kernels/cpu_tile.c` (built once per machine, one
-pass that may write dz over z: `writes_grad_in_place`); other float32 tiles (CUDA, focal) run a
-`torch.compile`d version (one vectorized loop per function) with log1p as a polynomial
-(`_log1p_unit`, 4e-9 relative: Sleef's log1p costs about 4 exps); everything else runs the eager
-twin (float64, a side of length 1, `TORCH_CUTBCE_NO_COMPILE=1`, no compiler). Why each choice,
-with timings: benchmarks/NOTES.md sections 1 and 7.
+Plain float32 tiles on the CPU run one of three candidates (`TILES`): the C kernel
+`jax_kernels/cpu_tile.c` (built once per machine, one pass that may write dz over z:
+`writes_grad_in_place`), the `torch.compile`d version or the eager twin, whichever the first use on
+the machine timed fastest (`_measured_cpu_tile`, `jax_kernels/tile_choice.py`; `TORCH_CUTBCE_TILE`
+forces one). Other float32 tiles (CUDA, focal) run the `torch.compile`d version (one vectorized
+loop per function) with log1p as a polynomial (`_log1p_unit`, 4e-9 relative: Sleef's log1p costs
+about 4 exps); everything else runs the eager twin (float64, a side of length 1,
+`TORCH_CUTBCE_NO_COMPILE=1`, no compiler). Rows are summed exactly at any width (`_row_sum`,
+`_eager_weighted_sum`). Why each choice, with timings: benchmarks/NOTES.md sections 1, 7 and 12.
 """
 
 from __future__ import annotations

@@ -1,0 +1,111 @@
+"""The native loss with each float32 CPU tile against its matmul floor and dense eager, at one ISA level.
+
+    taskset -c 0 .venv/bin/python benchmarks/cpu_tile_isa.py --threads 1              # the CPU's own ISA
+    taskset -c 0 .venv/bin/python benchmarks/cpu_tile_isa.py --threads 1 --isa avx2   # AVX2 on an AVX-512 CPU
+
+Forward + backward at N 4096, V 32,768, D 64, L 8, float32 ('mean'), interleaved in one process
+(medians of `--rounds`): native with the C kernel, torch.compile's tile and the eager tile
+(`TORCH_CUTBCE_TILE`), the tile the first use measured fastest, `mm_floor` (the three matmul passes
+alone) and dense `BCEWithLogitsLoss`. `--isa avx2` builds the C kernel for x86-64-v3 and caps
+torch (ATen, inductor's C++), MKL and oneDNN at AVX2 before torch is imported: the code an
+AVX2-only CPU runs, on a CPU that has more (its cores are not those of an AVX2-only CPU).
+Each run appends its table, with the CPU, ISA, threads, commit and command, to
+benchmarks/results/cpu_tile_isa.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results" / "cpu_tile_isa.txt"
+AVX2_ENV = {"TORCH_CUTBCE_MARCH": "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+            "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def isa_of_cpu() -> str:
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith(("flags", "Features"))).split()
+    except (OSError, StopIteration):
+        return "unknown"
+    for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("asimd", "NEON")):
+        if flag in flags:
+            return name
+    return "SSE/other"
+
+
+def cpu_family_model() -> str:
+    """`family F model M` from /proc/cpuinfo: "AMD EPYC" alone does not tell Zen 3 from Zen 4."""
+    fields = {}
+    try:
+        for line in open("/proc/cpuinfo"):
+            key, _, value = line.partition(":")
+            if key.strip() in ("cpu family", "model") and key.strip() not in fields:
+                fields[key.strip()] = value.strip()
+    except OSError:
+        pass
+    return f"family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--isa", choices=("native", "avx2"), default="native")
+    parser.add_argument("--num-items", type=int, default=32768)
+    args = parser.parse_args()
+    if args.isa == "avx2":
+        os.environ.update(AVX2_ENV)
+    sys.path.insert(0, str(HERE))
+    import torch
+
+    import providers as P
+    from bench import git_sha, machine
+    from torch_cutbce import fused_tile
+
+    torch.set_num_threads(args.threads)
+    warnings.simplefilter("ignore")
+    shape = P.Shape(num_positions=4096, hidden_size=64, num_items=args.num_items)
+    chosen = fused_tile._plain_cpu_tile()  # measures (or reads) the choice before anything is forced
+    lanes = fused_tile._cpu_library().cutbce_lanes() if fused_tile._cpu_library() else 0
+    cases = {f"native[{tile}]": (tile, P.setup("native", shape, "fwd+bwd")) for tile in fused_tile.TILES}
+    cases["native[as chosen]"] = ("auto", P.setup("native", shape, "fwd+bwd"))
+    cases["mm_floor"] = (None, P.setup("mm_floor", shape, "fwd+bwd"))
+    cases["dense_eager"] = (None, P.setup("dense_eager", shape, "fwd+bwd"))
+    times = {name: [] for name in cases}
+    for round_ in range(args.rounds + 1):  # round 0 warms up (compiles)
+        for name, (tile, case) in cases.items():
+            if tile is not None:
+                os.environ["TORCH_CUTBCE_TILE"] = tile
+            start = time.perf_counter()
+            case.step()
+            if round_:
+                times[name].append(time.perf_counter() - start)
+            case.clear()
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    floor, dense = medians["mm_floor"], medians["dense_eager"]
+    isa = isa_of_cpu() if args.isa == "native" else f"AVX2 (capped by environment on an {isa_of_cpu()} CPU)"
+    lines = [
+        f"## {time.strftime('%Y-%m-%d')} {shape.label()} fwd+bwd, {args.threads} thread(s), medians of {args.rounds}",
+        f"machine: {machine()} ({cpu_family_model()}); ISA: {isa}; C kernel lanes {lanes} ({os.environ.get('TORCH_CUTBCE_MARCH', 'native')}); "
+        f"torch {torch.__version__}; commit {git_sha()}",
+        f"command: {' '.join(['python', *sys.argv])}; the first use chose '{chosen}'",
+        f"{'variant':<20} {'median s':>9} {'x floor':>8} {'dense / it':>11}",
+    ]
+    for name, median in medians.items():
+        lines.append(f"{name:<20} {median:>9.3f} {median / floor:>8.2f} {dense / median:>11.2f}")
+    text = "\n".join(lines)
+    print(text)
+    RESULTS.parent.mkdir(exist_ok=True)
+    with open(RESULTS, "a") as out:
+        out.write(text + "\n\n")
+
+
+if __name__ == "__main__":
+    main()
