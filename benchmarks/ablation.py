@@ -40,7 +40,16 @@ def interleave(variants: dict, rounds: int) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+_where_said = False
+
+
 def report(title, medians, unit="ms", scale=1e3, per=1.0):
+    global _where_said
+    if not _where_said:  # every result says where it holds: CPU model, ISA, commit, command
+        from bench import git_sha, machine
+
+        print(f"{machine()}; commit {git_sha()}; command: python {' '.join(sys.argv)}")
+        _where_said = True
     print(f"\n{title}")
     first = next(iter(medians.values()))
     for k, m in medians.items():

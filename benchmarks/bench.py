@@ -65,17 +65,35 @@ def git_sha() -> str:
         return "unknown"
 
 
-def machine() -> str:
-    model = platform.processor() or platform.machine()
+def _cpuinfo() -> dict[str, str]:
+    """The first value of each /proc/cpuinfo key (empty where there is none)."""
+    fields: dict[str, str] = {}
     try:
         for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
+    return fields
+
+
+def isa_of_cpu() -> str:
+    """The widest SIMD level of this CPU: AVX-512, AVX2, NEON or SSE/other."""
+    flags = (_cpuinfo().get("flags") or _cpuinfo().get("Features") or "").split()
+    for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("asimd", "NEON")):
+        if flag in flags:
+            return name
+    return "SSE/other" if flags else "unknown"
+
+
+def machine() -> str:
+    """CPU model (with family/model: "AMD EPYC" alone does not tell Zen 3 from Zen 4), ISA, cores, RAM."""
+    info = _cpuinfo()
+    model = info.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in info:
+        model += f" (family {info['cpu family']} model {info.get('model', '?')})"
     ram_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
-    return f"{model}, {os.cpu_count()} cores, {ram_gib:.0f} GiB"
+    return f"{model}, {isa_of_cpu()}, {os.cpu_count()} cores, {ram_gib:.0f} GiB"
 
 
 # -- speed -----------------------------------------------------------------------------------------

@@ -9,8 +9,8 @@ Forward + backward at N 4096, V 32,768, D 64, L 8, float32 ('mean'), interleaved
 alone) and dense `BCEWithLogitsLoss`. `--isa avx2` builds the C kernel for x86-64-v3 and caps
 torch (ATen, inductor's C++), MKL and oneDNN at AVX2 before torch is imported: the code an
 AVX2-only CPU runs, on a CPU that has more (its cores are not those of an AVX2-only CPU).
-Each run appends its table, with the CPU, ISA, threads, commit and command, to
-benchmarks/results/cpu_tile_isa.txt.
+Each run appends its table, with the CPU, ISA, threads, commit and command, to `--out`
+(benchmarks/results/cpu_tile_isa.txt).
 """
 
 from __future__ import annotations
@@ -19,38 +19,19 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "cpu_tile_isa.txt"
+# TORCHINDUCTOR_CACHE_DIR: inductor's on-disk cache does not tell ATEN_CPU_CAPABILITY apart: a kernel
+# generated for AVX-512 (16-float vectors) and then built against AVX2's 8-float Vectorized crashed
+# with SIGBUS when an AVX2 run shared the cache with runs at the CPU's own ISA (torch 2.9).
 AVX2_ENV = {"TORCH_CUTBCE_MARCH": "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-            "ONEDNN_MAX_CPU_ISA": "AVX2"}
-
-
-def isa_of_cpu() -> str:
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith(("flags", "Features"))).split()
-    except (OSError, StopIteration):
-        return "unknown"
-    for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("asimd", "NEON")):
-        if flag in flags:
-            return name
-    return "SSE/other"
-
-
-def cpu_family_model() -> str:
-    """`family F model M` from /proc/cpuinfo: "AMD EPYC" alone does not tell Zen 3 from Zen 4."""
-    fields = {}
-    try:
-        for line in open("/proc/cpuinfo"):
-            key, _, value = line.partition(":")
-            if key.strip() in ("cpu family", "model") and key.strip() not in fields:
-                fields[key.strip()] = value.strip()
-    except OSError:
-        pass
-    return f"family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
+            "ONEDNN_MAX_CPU_ISA": "AVX2",
+            "TORCHINDUCTOR_CACHE_DIR": os.path.join(tempfile.gettempdir(), "torchinductor_cutbce_avx2")}
 
 
 def main() -> None:
@@ -59,6 +40,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--isa", choices=("native", "avx2"), default="native")
     parser.add_argument("--num-items", type=int, default=32768)
+    parser.add_argument("--num-positions", type=int, default=4096)
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     if args.isa == "avx2":
         os.environ.update(AVX2_ENV)
@@ -66,12 +49,12 @@ def main() -> None:
     import torch
 
     import providers as P
-    from bench import git_sha, machine
+    from bench import git_sha, isa_of_cpu, machine
     from torch_cutbce import fused_tile
 
     torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")
-    shape = P.Shape(num_positions=4096, hidden_size=64, num_items=args.num_items)
+    shape = P.Shape(num_positions=args.num_positions, hidden_size=64, num_items=args.num_items)
     chosen = fused_tile._plain_cpu_tile()  # measures (or reads) the choice before anything is forced
     lanes = fused_tile._cpu_library().cutbce_lanes() if fused_tile._cpu_library() else 0
     cases = {f"native[{tile}]": (tile, P.setup("native", shape, "fwd+bwd")) for tile in fused_tile.TILES}
@@ -93,7 +76,7 @@ def main() -> None:
     isa = isa_of_cpu() if args.isa == "native" else f"AVX2 (capped by environment on an {isa_of_cpu()} CPU)"
     lines = [
         f"## {time.strftime('%Y-%m-%d')} {shape.label()} fwd+bwd, {args.threads} thread(s), medians of {args.rounds}",
-        f"machine: {machine()} ({cpu_family_model()}); ISA: {isa}; C kernel lanes {lanes} ({os.environ.get('TORCH_CUTBCE_MARCH', 'native')}); "
+        f"machine: {machine()}; ISA run: {isa}; C kernel lanes {lanes} ({os.environ.get('TORCH_CUTBCE_MARCH', 'native')}); "
         f"torch {torch.__version__}; commit {git_sha()}",
         f"command: {' '.join(['python', *sys.argv])}; the first use chose '{chosen}'",
         f"{'variant':<20} {'median s':>9} {'x floor':>8} {'dense / it':>11}",
@@ -102,8 +85,8 @@ def main() -> None:
         lines.append(f"{name:<20} {median:>9.3f} {median / floor:>8.2f} {dense / median:>11.2f}")
     text = "\n".join(lines)
     print(text)
-    RESULTS.parent.mkdir(exist_ok=True)
-    with open(RESULTS, "a") as out:
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "a") as out:
         out.write(text + "\n\n")
 
 

@@ -13,9 +13,9 @@ On the CPU, float32 plain BCE runs the C kernel `cpu_tile.c` through XLA's FFI: 
 tile that writes dz over z, where XLA:CPU's own fusions read the tile several times and make the
 row sums a slow reduction (benchmarks/NOTES.md section 7). Everywhere else (GPU, TPU lowering,
 float64, focal, the torch_xla bridge, no C++ compiler, TORCH_CUTBCE_NO_COMPILE=1, or
-TORCH_CUTBCE_TILE=xla) the same math runs as jnp. Unlike torch's tiles, JAX does not time the two:
-it takes the kernel wherever it builds. Both sum a row of any width to a few roundings (the kernel
-through a double, jnp pairwise on the CPU: `_halving_row_sum`).
+TORCH_CUTBCE_TILE=xla, or where the jnp tile was timed faster on this machine: `_measured_tile`)
+the same math runs as jnp. Both sum a row of any width to a few roundings (the kernel through a
+double, jnp pairwise on the CPU: `_halving_row_sum`).
 """
 
 from __future__ import annotations
@@ -47,9 +47,35 @@ def _ffi_registered() -> bool:
 TILES = ("c_kernel", "xla")  # TORCH_CUTBCE_TILE's values here; torch's 'compiled' / 'eager' mean 'xla'
 
 
-def _kernel_not_refused() -> bool:
-    """False where TORCH_CUTBCE_TILE names another tile than the C kernel (read at trace time)."""
-    return tile_choice.forced(TILES + ("compiled", "eager")) in (None, "c_kernel")
+def _kernel_chosen() -> bool:
+    """Whether float32 CPU tiles run the C kernel: as TORCH_CUTBCE_TILE says (read at trace time),
+    else if it was timed faster than the jnp tile on this machine (once, cached beside the build)."""
+    forced = tile_choice.forced(TILES + ("compiled", "eager"))
+    if forced is not None:
+        return forced == "c_kernel" and _ffi_registered()
+    return _ffi_registered() and _measured_tile().name == "c_kernel"
+
+
+@functools.cache
+def _measured_tile() -> tile_choice.Choice:
+    library = cpu_tile_build.library_path(cpu_tile_build.ffi_library(jax.ffi.include_dir()))
+    path = library.with_name(f"{library.name}.jax-{jax.__version__}.json")
+    choice = tile_choice.cached_choice(path, {tile: (lambda tile=tile: _time_candidate(tile)) for tile in TILES})
+    message = f"jax_kernels: float32 CPU tiles use '{choice.name}': {choice.why}; {tile_choice.ENV} forces one of {TILES}"
+    tile_choice.logger.info(message)
+    if choice.measured_now:
+        warnings.warn(message, tile_choice.TileChoiceWarning, stacklevel=2)
+    return choice
+
+
+def _time_candidate(tile: str) -> float:
+    """Median ms of one jitted rows_grad of a `tile_choice.MEASURED_TILE` tile with `tile`."""
+    with jax.ensure_compile_time_eval():  # run now, also when called while a jit is tracing
+        rng = np.random.default_rng(0)
+        z = jnp.asarray(rng.standard_normal(tile_choice.MEASURED_TILE) * 4, jnp.float32)
+        w, g = jnp.ones(z.shape[1], jnp.float32), jnp.full(z.shape[0], 1e-3, jnp.float32)
+        run = jax.jit(_kernel_rows_grad if tile == "c_kernel" else _portable_rows_grad)
+        return tile_choice.median_ms(lambda: jax.block_until_ready(run(z, w, g)))
 
 
 def _threads() -> np.int32:
@@ -137,8 +163,7 @@ class NegativeTile:
     def _kernel(self, z) -> bool:
         # A TPU or GPU host does not build the kernel (its computations lower for the accelerator).
         return (self.cpu_kernel and self.focal is None and z.dtype == jnp.float32
-                and jax.default_backend() == "cpu" and not cpu_tile_build.disabled() and _kernel_not_refused()
-                and _ffi_registered())
+                and jax.default_backend() == "cpu" and not cpu_tile_build.disabled() and _kernel_chosen())
 
     def rows(self, z, w):
         if self._kernel(z):

@@ -20,7 +20,13 @@ from pathlib import Path
 from typing import Callable
 
 ENV = "TORCH_CUTBCE_TILE"
+MEASURED_TILE = (1024, 1024)  # the [N, block_v] tile each candidate's rows_grad is timed on
 logger = logging.getLogger("torch_cutbce.tiles")
+
+
+class TileChoiceWarning(UserWarning):
+    """Said once per machine, when the tile is chosen by timing the candidates (JAX's; torch says
+    it as its TileCompileWarning)."""
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The benchmark scripts run end to end (`bench.py --quick`, a tiny `headline.py`) and write their outputs.
+"""The benchmark scripts run end to end (`bench.py --quick`, a tiny `headline.py`, a tiny
+`cpu_tile_isa.py`) and write their outputs.
 
 Numbers are not checked here (CI machines are noisy); benchmarks/README.md holds the measured ones.
 The quick preset times every provider at N=256, D=16, V in {1024, 4096} and measures peak memory
@@ -53,3 +54,14 @@ def test_headline_smoke(tmp_path):
     with (tmp_path / "headline.csv").open() as f:
         (row,) = list(csv.DictReader(f))
     assert float(row["steps_per_s"]) > 0 and float(row["loss_last"]) < float(row["loss_first"])
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_cpu_tile_isa_smoke(isa, tmp_path):
+    out = _run([BENCHMARKS / "cpu_tile_isa.py", "--num-positions", "64", "--num-items", "700", "--rounds", "1",
+                "--isa", isa, "--out", tmp_path / "isa.txt"])
+    text = (tmp_path / "isa.txt").read_text()
+    assert text.strip() in out
+    for variant in ("native[c_kernel]", "native[compiled]", "native[eager]", "mm_floor", "dense_eager"):
+        assert variant in text
+    assert "ISA run: " + ("AVX2 (capped" if isa == "avx2" else "") in text and "commit" in text

@@ -167,11 +167,14 @@ def test_an_infinite_position_weight_gives_torchs_infinities(infinity):
 
 @pytest.mark.jax
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_jax_vmap_runs_through_the_ffi_kernel(reduction):
+def test_jax_vmap_runs_through_the_ffi_kernel(reduction, monkeypatch):
     import jax
     import jax.numpy as jnp
 
     from jax_kernels import cut_bce, dense_cut_bce, negative_tile
+
+    monkeypatch.setenv("TORCH_CUTBCE_TILE", "c_kernel")  # whichever tile this machine timed faster
+    jax.clear_caches()
 
     rng = np.random.default_rng(0)
     hidden = jnp.asarray(rng.standard_normal((3, 6, 5)), jnp.float32)
@@ -186,7 +189,7 @@ def test_jax_vmap_runs_through_the_ffi_kernel(reduction):
 
     fast = jax.jit(lambda: batched(lambda *a, **k: cut_bce(*a, block_v=256, **k)))
     if negative_tile._ffi_registered():
-        assert "cutbce_rows_grad" in fast.lower().compile().as_text() or reduction == "none"
+        assert ("cutbce_rows_grad" if reduction == "mean" else "cutbce_rows") in fast.lower().as_text()
     (value, grad), (want_value, want_grad) = fast(), batched(dense_cut_bce)
     np.testing.assert_allclose(value, want_value, rtol=TOLERANCES["float32"])
     np.testing.assert_allclose(grad, want_grad, rtol=TOLERANCES["float32"], atol=1e-7)

@@ -110,3 +110,28 @@ def _recording(function, name, ran):
         return function(*args, **kwargs)
 
     return run
+
+
+@pytest.mark.jax
+@pytest.mark.parametrize("timings, want", [({"c_kernel": 1.0, "xla": 2.0}, "c_kernel"),
+                                           ({"c_kernel": 2.0, "xla": 1.0}, "xla")])
+def test_jax_runs_the_candidate_measured_fastest(timings, want, tmp_path, monkeypatch):
+    import jax
+    import jax.numpy as jnp
+
+    from jax_kernels import cut_bce, negative_tile
+
+    if not negative_tile._ffi_registered():
+        pytest.skip("the FFI kernel could not be built here")
+    monkeypatch.delenv(tile_choice.ENV, raising=False)
+    monkeypatch.setattr(negative_tile, "_time_candidate", lambda tile: timings[tile])
+    monkeypatch.setattr(negative_tile.cpu_tile_build, "library_path", lambda lib: tmp_path / "cpu_tile_ffi-x.so")
+    negative_tile._measured_tile.cache_clear()
+    hidden, items = jnp.ones((8, 4), jnp.float32), jnp.ones((300, 4), jnp.float32)
+    targets = jnp.zeros((8, 2), jnp.int32)
+    try:
+        with pytest.warns(tile_choice.TileChoiceWarning, match=f"use '{want}': measured now"):
+            text = jax.jit(jax.grad(lambda h: cut_bce(h, items, targets, block_v=128))).lower(hidden).as_text()
+        assert ("cutbce_rows_grad" in text) == (want == "c_kernel")
+    finally:
+        negative_tile._measured_tile.cache_clear()

@@ -5,7 +5,8 @@ interpret mode, the torch_xla bridge, JAX on a 4-device mesh, torch vocab-parall
 
 - A: each valid example either meets `parity.assert_exact_as_dense` (loss, every row, every
   gradient, metrics against `_properties_oracle.float64_oracle`) or raises a ValueError /
-  TypeError naming an argument. Every A test first runs `CONFIDENT` (rows of confident positives).
+  TypeError naming an argument. Every A test first runs `CONFIDENT` (rows of confident positives),
+  the native and jitted blocked ones also `WIDE` (rows of 2**22 equal logits).
 - B: every bad argument (ids >= V where they can be checked, wrong shapes, wrong dtypes, a
   non-array, block_v <= 0 or bool, an unknown reduction), one at a time on a drawn valid example,
   raises a ValueError / TypeError whose message names it.
@@ -51,6 +52,11 @@ JAX_MUTATIONS = tuple(m for m in MUTATIONS if m != "list_item_weight")  # JAX ta
 CONFIDENT = Spec(dtype="float32", lead_shape=(2, 3), num_items=300, hidden_size=8, num_slots=2,
                  reduction="none", return_metrics=True, bias=True, confident="all", seed=1)
 CONFIDENT_INT32 = dataclasses.replace(CONFIDENT, id_dtype="int32")
+# And this one: two rows of 2**22 equal logits (one item row, expanded), the worst case of a running
+# float32 sum, in one tile (default block_v) on the native and blocked JAX paths.
+WIDE = Spec(dtype="float32", lead_shape=(2,), num_items=2**22, hidden_size=1, num_slots=1, reduction="none",
+            layouts=(("item_weight", "expanded"),), hidden_scale=2.0, seed=3)
+WIDE_INT32 = dataclasses.replace(WIDE, id_dtype="int32")
 MESHES = (((2, 2), ("data", "model"), "model", "data"), ((4,), ("model",), "model", None),
           ((1, 4), ("data", "model"), "model", "data"), ((4, 1), ("data", "model"), "model", "data"))
 
@@ -204,6 +210,7 @@ def torch_path(backend):
 @budget(100)
 @given(spec=specs(dtypes=TORCH_DTYPES, layouts=True))
 @example(spec=CONFIDENT)
+@example(spec=WIDE)
 def test_torch_exact_as_dense(backend, spec):
     example = build(spec)
     check_exact(lambda: torch_results(example, torch_path(backend)), example, backend)
@@ -228,6 +235,7 @@ def jax_kernels():
 @budget(60)
 @given(spec=specs(dtypes=JAX_DTYPES, ids="jit"))
 @example(spec=CONFIDENT_INT32)
+@example(spec=WIDE_INT32)
 def test_blocked_jit_exact_as_dense(jax_kernels, spec):
     example = build(spec)
     check_exact(lambda: jax_results(example, jit=True, impl="blocked"), example, "blocked-jit")

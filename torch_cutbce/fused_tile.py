@@ -257,7 +257,6 @@ def _address(x: torch.Tensor | None):
 # -- which tile runs ------------------------------------------------------------------------------------
 
 TILES = ("c_kernel", "compiled", "eager")  # the candidates for plain float32 CPU tiles
-_MEASURED_TILE = (1024, 1024)  # rows_grad of one [N, block_v] tile this size times each candidate
 
 
 def _compiling_allowed() -> bool:
@@ -294,8 +293,8 @@ def _measured_cpu_tile() -> tile_choice.Choice:
 
 
 def _time_candidate(tile: str) -> float:
-    """Median ms of rows_grad on one `_MEASURED_TILE` tile with `tile`, as the engines call it."""
-    z = torch.randn(_MEASURED_TILE, generator=torch.Generator().manual_seed(0)) * 4
+    """Median ms of rows_grad on one `tile_choice.MEASURED_TILE` tile with `tile`, as the engines call it."""
+    z = torch.randn(tile_choice.MEASURED_TILE, generator=torch.Generator().manual_seed(0)) * 4
     g, out = torch.full((z.shape[0], 1), 1e-3), torch.empty_like(z)
 
     def run():
