@@ -73,12 +73,14 @@ def main() -> None:
             case.clear()
     medians = {name: statistics.median(t) for name, t in times.items()}
     floor, dense = medians["mm_floor"], medians["dense_eager"]
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "all"
     isa = isa_of_cpu() if args.isa == "native" else f"AVX2 (capped by environment on an {isa_of_cpu()} CPU)"
     lines = [
         f"## {time.strftime('%Y-%m-%d')} {shape.label()} fwd+bwd, {args.threads} thread(s), medians of {args.rounds}",
         f"machine: {machine()}; ISA run: {isa}; C kernel lanes {lanes} ({os.environ.get('TORCH_CUTBCE_MARCH', 'native')}); "
         f"torch {torch.__version__}; commit {git_sha()}",
-        f"command: {' '.join(['python', *sys.argv])}; the first use chose '{chosen}'",
+        f"command: {' '.join(['python', *sys.argv])} on CPUs {cpus}; "
+        f"the first use chose '{chosen}'",
         f"{'variant':<20} {'median s':>9} {'x floor':>8} {'dense / it':>11}",
     ]
     for name, median in medians.items():
