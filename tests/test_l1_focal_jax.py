@@ -206,6 +206,15 @@ def test_bad_focal_argument_raises(fn, mesh, bad, error):
                                  focal=bad, **mesh)
 
 
+@pytest.mark.parametrize("fn", ["cut_bce", "dense_cut_bce"])
+def test_a_focal_changed_after_construction_is_checked_again(fn):
+    focal = Focal(2.0)
+    object.__setattr__(focal, "gamma", -1.0)  # past the frozen dataclass
+    with pytest.raises(ValueError, match="focal gamma must be >= 0"):
+        getattr(jax_kernels, fn)(np.ones((2, 3), np.float32), np.ones((4, 3), np.float32), np.zeros((2, 1), int),
+                                 focal=focal)
+
+
 @pytest.mark.parametrize("kwargs,error", [
     (dict(gamma=-1.0), ValueError), (dict(gamma=float("nan")), TypeError), (dict(gamma="2"), TypeError),
     (dict(alpha=1.5), ValueError), (dict(apply_class_balancing=1), TypeError),

@@ -144,6 +144,17 @@ def test_bad_focal_options_are_clear_errors(bad, error, match):
         Focal(**bad)
 
 
+@pytest.mark.parametrize("field,value,error", [("gamma", -1.0, ValueError), ("alpha", 2.0, ValueError),
+                                               ("gamma", float("inf"), TypeError)])
+def test_a_focal_changed_after_construction_is_checked_again(field, value, error):
+    """A frozen dataclass can still be changed through object.__setattr__: each call re-validates."""
+    inputs = _inputs(torch.float32)
+    focal = Focal(2.0)
+    object.__setattr__(focal, field, value)
+    with pytest.raises(error, match=f"focal {field}"):
+        cut_bce_with_logits(inputs["hidden"], inputs["item_weight"], inputs["targets"], focal=focal)
+
+
 def test_focal_must_be_a_focal():
     inputs = _inputs(torch.float32)
     with pytest.raises(TypeError, match="focal must be None or a Focal"):
