@@ -138,7 +138,7 @@ def _build(source: str, compiler: str, extra_flags: list[str], extra_sources=(),
             raise BuildError(f"{Path(compiler).name} failed on {source}:\n{result.stderr[-2000:]}")
         # The digest first, then the library, each renamed into place: a process racing for the
         # same key finds either no library or a whole one whose digest is already there.
-        _write_atomically(_digest_path(target), _file_digest(temporary), target.parent)
+        write_atomically(_digest_path(target), _file_digest(temporary), target.parent)
         os.replace(temporary, target)
     except (OSError, subprocess.SubprocessError) as error:
         raise BuildError(f"cannot build {source} with {compiler}: {error}") from error
@@ -155,7 +155,8 @@ def _file_digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _write_atomically(path: Path, text: str, folder: Path) -> None:
+def write_atomically(path: Path, text: str, folder: Path) -> None:
+    """`text` into `path` through a temporary file in `folder` renamed into place (racing writers are safe)."""
     with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as scratch:
         scratch.write(text)
     os.replace(scratch.name, path)

@@ -59,13 +59,9 @@ def _kernel_chosen() -> bool:
 @functools.cache
 def _measured_tile() -> tile_choice.Choice:
     library = cpu_tile_build.library_path(cpu_tile_build.ffi_library(jax.ffi.include_dir()))
-    path = library.with_name(f"{library.name}.jax-{jax.__version__}.json")
-    choice = tile_choice.cached_choice(path, {tile: (lambda tile=tile: _time_candidate(tile)) for tile in TILES})
-    message = f"jax_kernels: float32 CPU tiles use '{choice.name}': {choice.why}; {tile_choice.ENV} forces one of {TILES}"
-    tile_choice.logger.info(message)
-    if choice.measured_now:
-        warnings.warn(message, tile_choice.TileChoiceWarning, stacklevel=2)
-    return choice
+    return tile_choice.announced_choice(library, "jax", jax.__version__,
+                                        {tile: (lambda tile=tile: _time_candidate(tile)) for tile in TILES},
+                                        TILES, tile_choice.TileChoiceWarning)
 
 
 def _time_candidate(tile: str) -> float:

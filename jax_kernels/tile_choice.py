@@ -13,11 +13,13 @@ import json
 import logging
 import os
 import statistics
-import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+
+from jax_kernels import cpu_tile_build
 
 ENV = "TORCH_CUTBCE_TILE"
 MEASURED_TILE = (1024, 1024)  # the [N, block_v] tile each candidate's rows_grad is timed on
@@ -86,12 +88,25 @@ def cached_choice(path: Path, candidates: dict[str, Callable[[], float]]) -> Cho
             logger.debug("tile candidate %s failed: %r", name, error)
     name = fastest(timings_ms)
     try:
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as scratch:
-            json.dump({"choice": name, "timings_ms": timings_ms}, scratch)
-        os.replace(scratch.name, path)
+        cpu_tile_build.write_atomically(path, json.dumps({"choice": name, "timings_ms": timings_ms}), path.parent)
     except OSError as error:
         logger.debug("cannot cache the tile choice in %s: %r", path, error)
     return Choice(name, f"measured now ({_timings_text(timings_ms)}), cached in {path}", measured_now=True)
+
+
+def announced_choice(library: Path, framework: str, version: str, candidates: dict[str, Callable[[], float]],
+                     tiles: tuple[str, ...], warning: type[Warning]) -> Choice:
+    """`cached_choice` for `framework`'s tiles, cached beside the kernel's `library` as
+    `<library>.<framework>-<version>.json`; said on the log in each process, and as `warning` when
+    it was measured now (once per machine). `tiles`: what `ENV` may name there."""
+    choice = cached_choice(library.with_name(f"{library.name}.{framework}-{version}.json"), candidates)
+    prefix = "torch_cutbce" if framework == "torch" else "jax_kernels"
+    message = (f"{prefix}: float32 CPU tiles use '{choice.name}': {choice.why}; "
+               f"{ENV} forces one of {tiles}")
+    logger.info(message)
+    if choice.measured_now:
+        warnings.warn(message, warning, stacklevel=3)
+    return choice
 
 
 def _timings_text(timings_ms: dict[str, float]) -> str:

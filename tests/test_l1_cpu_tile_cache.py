@@ -122,7 +122,7 @@ def test_a_library_without_the_kernels_symbols_is_a_build_error(tmp_path):
     foreign = tmp_path / "foreign.so"
     _foreign_library(foreign)
     # Whole, with its digest recorded (as if built here): only the symbol check can tell.
-    cpu_tile_build._write_atomically(cpu_tile_build._digest_path(foreign), cpu_tile_build._file_digest(foreign),
+    cpu_tile_build.write_atomically(cpu_tile_build._digest_path(foreign), cpu_tile_build._file_digest(foreign),
                                      tmp_path)
     with pytest.raises(cpu_tile_build.BuildError, match="lacks the kernel's symbols.*cutbce_tile"):
         cpu_tile_build._load(foreign, cpu_tile_build.C_SYMBOLS)
@@ -130,7 +130,7 @@ def test_a_library_without_the_kernels_symbols_is_a_build_error(tmp_path):
     # at the next touch of its pages, at exit at the latest).
     truncated = tmp_path / "truncated.so"
     truncated.write_bytes(foreign.read_bytes()[:100])
-    cpu_tile_build._write_atomically(cpu_tile_build._digest_path(truncated), cpu_tile_build._file_digest(foreign),
+    cpu_tile_build.write_atomically(cpu_tile_build._digest_path(truncated), cpu_tile_build._file_digest(foreign),
                                      tmp_path)
     with pytest.raises(cpu_tile_build.BuildError, match="does not match the digest"):
         cpu_tile_build._load(truncated, cpu_tile_build.C_SYMBOLS)

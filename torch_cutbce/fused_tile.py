@@ -281,15 +281,10 @@ def _plain_cpu_tile() -> str:
 @functools.cache
 def _measured_cpu_tile() -> tile_choice.Choice:
     """The fastest candidate, measured once per machine and torch version (cached beside the build)."""
-    library_file = cpu_tile_build.library_path(_cpu_library())
-    path = library_file.with_name(f"{library_file.name}.torch-{torch.__version__}.json")
     names = [tile for tile in TILES if tile != "compiled" or _compiling_allowed()]
-    choice = tile_choice.cached_choice(path, {tile: (lambda tile=tile: _time_candidate(tile)) for tile in names})
-    message = f"torch_cutbce: float32 CPU tiles use '{choice.name}': {choice.why}; {tile_choice.ENV} forces one of {TILES}"
-    tile_choice.logger.info(message)
-    if choice.measured_now:
-        warnings.warn(message, TileCompileWarning, stacklevel=2)
-    return choice
+    return tile_choice.announced_choice(cpu_tile_build.library_path(_cpu_library()), "torch", torch.__version__,
+                                        {tile: (lambda tile=tile: _time_candidate(tile)) for tile in names},
+                                        TILES, TileCompileWarning)
 
 
 def _time_candidate(tile: str) -> float:
@@ -312,7 +307,8 @@ def _time_candidate(tile: str) -> float:
 
 def _tile_for(name: str, z: torch.Tensor) -> str:
     if name in _CPU_KERNEL_FUNCTIONS and z.dtype == torch.float32 and z.device.type == "cpu":
-        return _plain_cpu_tile()
+        tile = _plain_cpu_tile()
+        return "eager" if tile == "compiled" and min(z.shape) < 2 else tile  # as _can_compile
     return "compiled" if _can_compile(z) else "eager"  # focal, CUDA, float64, bfloat16
 
 
@@ -367,7 +363,7 @@ def _run(name: str, z: torch.Tensor, *args):
     tile = _tile_for(name, z)
     if tile == "c_kernel":
         return _run_cpu_kernel(name, z, *args)
-    if tile == "compiled" and min(z.shape) >= 2:
+    if tile == "compiled":
         return _run_compiled(name, z, *args)
     return _EAGER[name](z, *args)
 
