@@ -164,7 +164,7 @@ def jax_part(shape, block_v, rounds):
     import jax
     import jax.numpy as jnp
 
-    from jax_kernels import blocked
+    from jax_kernels.blocked import loop as blocked
 
     from frozen.before_speed_work import jax_blocked as before
     h, e, _ = (jnp.asarray(a) for a in P.make_numpy_inputs(shape))

@@ -81,7 +81,7 @@ def jax_variants(shape, block_v):
         # The JAX twin of mm_floor: the blocked loop's three matmuls per tile (its table-gradient
         # product included, `blocked._table_grad_tile`) in one jitted loop, nothing else. XLA:CPU's
         # matmuls are not MKL's, so the JAX path is held to XLA's own rate.
-        from jax_kernels.blocked import _table_grad_tile
+        from jax_kernels.blocked.loop import _table_grad_tile
 
         def loop(h, e):
             def tile(k, carry):

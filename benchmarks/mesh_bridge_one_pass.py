@@ -43,7 +43,7 @@ def main(argv=None):
     if args.mesh != "none":
         xr.use_spmd()
     from ablation import interleave, report
-    from jax_kernels.shapes import tile_width
+    from jax_kernels.neutral.shapes import tile_width
     from torch_cutbce import cut_bce_with_logits, xla_bridge
     from torch_cutbce.reduction import reduce_rows
 

@@ -2,7 +2,7 @@
 
 Each cell compiles `jax.value_and_grad` (hidden and item_weight) of
 `jax_kernels.cut_bce(impl='pallas')` with L = 8 target slots per position, through libtpu's
-compile-only client (`jax_kernels.tpu_compile`), and appends one CSV row: chip, dtype, N, V, D, L,
+compile-only client (`benchmarks.tpu_compile`), and appends one CSV row: chip, dtype, N, V, D, L,
 status (ok / error / timeout), error text, seconds, XLA's memory analysis (temp, argument, output,
 generated code bytes) and the git sha. Nothing runs; the bytes are what the compiled program would
 hold in HBM. Every cell is a fresh subprocess with `.venv/libtpu-overlay` on PYTHONPATH, so a hung
@@ -69,7 +69,7 @@ def compile_one(chip, dtype, n, v, d, num_slots):
     import jax.numpy as jnp
 
     import jax_kernels
-    from jax_kernels import tpu_compile
+    from benchmarks import tpu_compile
 
     tpu_compile.pin_mosaic_version()
 
@@ -83,7 +83,7 @@ def compile_one(chip, dtype, n, v, d, num_slots):
 
 
 def run_cell(chip, dtype, n, v, d, num_slots, timeout_s):
-    from jax_kernels import tpu_compile
+    from benchmarks import tpu_compile
 
     cmd = [sys.executable, __file__, "--one", chip, dtype, str(n), str(v), str(d), str(num_slots)]
     row = dict(chip=chip, dtype=dtype, N=n, V=v, D=d, L=num_slots)
@@ -114,7 +114,7 @@ def main():
     if args.one:
         chip, dtype, *sizes = args.one
         return compile_one(chip, dtype, *map(int, sizes))
-    from jax_kernels import tpu_compile
+    from benchmarks import tpu_compile
 
     tpu_compile.require_overlay()
     cells = sorted(itertools.product(args.chips, args.dtypes, args.n, args.v, args.d),

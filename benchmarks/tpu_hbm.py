@@ -7,7 +7,7 @@ and item_weight, of one of two losses over `[N, D]` positions, a `[V, D]` table 
 - `dense`: `optax.sigmoid_binary_cross_entropy(h @ E.T, multi_hot).mean()` with the multi-hot built
   by a scatter from the ids (`dense_bce` below: what a user writes, materializing `[N, V]`).
 
-with libtpu's compile-only client (`jax_kernels/tpu_compile.py`; nothing executes), and appends one
+with libtpu's compile-only client (`benchmarks/tpu_compile.py`; nothing executes), and appends one
 CSV row per cell with XLA's memory analysis per chip: argument, output, temp, alias and code bytes,
 `peak_bytes` = argument + output + temp - alias (the HBM figure reported as "peak": `hbm_bytes`) and
 XLA's own `peak_memory_in_bytes` (`xla_peak_bytes`, which also counts VMEM). A program that does not
@@ -139,7 +139,7 @@ def input_structs(cell: Cell):
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jax_kernels import tpu_compile
+    from benchmarks import tpu_compile
 
     mesh_shape, table_spec, positions_spec = LAYOUTS[cell.layout]
     devices = tpu_compile.topology(cell.topology).devices
@@ -200,7 +200,7 @@ def compile_cell(cell: Cell) -> dict:
         `status` ('ok', 'oom' or 'error'), `error` text, `seconds`, and for 'ok' the per-chip byte
         counts of `compiled.memory_analysis()` (an SPMD program's analysis is per device).
     """
-    from jax_kernels import tpu_compile
+    from benchmarks import tpu_compile
 
     tpu_compile.pin_mosaic_version()
     kernels = dict(kernels_sha=kernels_sha())
@@ -222,7 +222,7 @@ def compile_cell(cell: Cell) -> dict:
 
 def run_cell(cell: Cell, timeout_s: float) -> dict:
     """Parent side: compile `cell` in a fresh subprocess; a CSV row (without git_sha and command)."""
-    from jax_kernels import tpu_compile
+    from benchmarks import tpu_compile
 
     row = dict(chip=cell.chip, topology=cell.topology, layout=cell.layout, loss=cell.loss, dtype=cell.dtype,
                N=cell.n, V=cell.v, table_rows=cell.table_rows, D=cell.d, L=cell.num_slots)
@@ -239,7 +239,7 @@ def cells(args) -> list[Cell]:
     """The selected cells, single chip (smallest V first) then the 8-chip paper shape."""
     out = []
     if "single" in args.cells:
-        from jax_kernels.tpu_compile import TOPOLOGIES
+        from benchmarks.tpu_compile import TOPOLOGIES
 
         out += [Cell(chip, TOPOLOGIES[chip], "single", loss, dtype, SINGLE["n"], v, SINGLE["d"], SINGLE["num_slots"])
                 for dtype in args.dtypes for v in sorted(args.v) for chip in args.chips for loss in args.losses]
@@ -441,7 +441,7 @@ def main():
     p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
-        from jax_kernels import tpu_compile
+        from benchmarks import tpu_compile
 
         tpu_compile.print_result(compile_cell(Cell(**json.loads(args.one))))
         return
@@ -449,7 +449,7 @@ def main():
     png, md = args.out.with_suffix(".png"), args.out.with_suffix(".md")
     if args.report_only:
         return write_reports(args.out, png, md, command)
-    from jax_kernels import tpu_compile
+    from benchmarks import tpu_compile
 
     tpu_compile.require_overlay()
     from tpu_compile_matrix import append_rows, git_sha

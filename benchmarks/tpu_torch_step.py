@@ -48,7 +48,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.tpu_compile_matrix import append_rows, git_sha  # noqa: E402
-from jax_kernels import tpu_compile  # noqa: E402
+from benchmarks import tpu_compile  # noqa: E402
 
 # 'dense_unhinted' is 'dense' without the sharding hints on its [N, V] tensors; it differs only
 # for several chips (examples/train.py --mesh shards nothing but the batch), so it runs only there.

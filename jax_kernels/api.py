@@ -7,9 +7,9 @@ import functools
 
 from jax_kernels.arguments import engine_operands, prepare, resolve_impl
 from jax_kernels.core import CutBCEConfig, cut_bce_rows, cut_bce_weighted_sum
-from jax_kernels.focal import check_focal
+from jax_kernels.neutral.focal import check_focal
 from jax_kernels.reduction import finish
-from jax_kernels.shapes import tile_width
+from jax_kernels.neutral.shapes import tile_width
 from jax_kernels.sharded import sharded_loss
 
 def cut_bce(
@@ -63,7 +63,7 @@ def cut_bce(
         too, bool not; default: a 16 MiB float32 tile).
       impl: 'auto' (Pallas on TPU, blocked elsewhere), 'blocked', or 'pallas' (Mosaic kernels on
         TPU; the same kernels in interpret mode when lowered for another platform).
-      block_sizes: Pallas tile sizes (`jax_kernels.block_sizes.BlockSizes`), None = derived.
+      block_sizes: Pallas tile sizes (`jax_kernels.pallas.block_sizes.BlockSizes`), None = derived.
       mesh: a `jax.sharding.Mesh` to run sharded: each device loops over its slice of the item
         table (split along V on `vocab_axis`) and of the positions (split on `data_axis`); the
         table is never gathered. 'infer': the mesh of the inputs' `NamedSharding`, of a traced

@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_kernels import positives
-from jax_kernels.focal import Focal, check_focal
-from jax_kernels.blocked import blocked_backward, blocked_forward, blocked_value_and_grad
+from jax_kernels.neutral.focal import Focal, check_focal
+from jax_kernels.blocked.loop import blocked_backward, blocked_forward, blocked_value_and_grad
 
 IMPLS = ("blocked", "pallas")
 
@@ -37,8 +37,8 @@ class CutBCEConfig:
       block_v: vocabulary tile of the blocked implementation.
       compute_metrics: also produce the per-position counts.
       impl: 'blocked' (pure JAX) or 'pallas' (Mosaic on TPU, `interpret=True` elsewhere).
-      block_sizes: Pallas tile sizes (a `jax_kernels.block_sizes.BlockSizes`), None = derived.
-      focal: a `jax_kernels.focal.Focal` (focal CutBCE), or None (plain CutBCE). A Focal that is
+      block_sizes: Pallas tile sizes (a `jax_kernels.pallas.block_sizes.BlockSizes`), None = derived.
+      focal: a `jax_kernels.neutral.focal.Focal` (focal CutBCE), or None (plain CutBCE). A Focal that is
         plain CutBCE (gamma = 0 without class balancing) is stored as None (`check_focal`
         normalises it), so every engine, the torch_xla bridge and the sharded layout run the
         plain code for it (bit for bit the plain results, and the same cache key).
@@ -72,9 +72,9 @@ def _runs_pallas(config, hidden) -> bool:
 def _forward(config, hidden, item_weight, bias, class_weight, pos_weight, ids):
     """`(rows [N], counts [2, N] or None)`: the exact rows, and the predicted positives and hits."""
     if _runs_pallas(config, hidden):
-        from jax_kernels.pallas_background import pallas_background_forward
+        from jax_kernels.pallas.launch import pallas_forward
 
-        rows, predicted, hits = pallas_background_forward(
+        rows, predicted, hits = pallas_forward(
             hidden, item_weight, bias, class_weight, pos_weight, ids,
             compute_counts=config.compute_metrics, block_sizes=config.block_sizes, focal=config.focal,
         )
@@ -88,9 +88,9 @@ def _forward(config, hidden, item_weight, bias, class_weight, pos_weight, ids):
 
 def _backward(config, hidden, item_weight, bias, class_weight, pos_weight, ids, g):
     if _runs_pallas(config, hidden):
-        from jax_kernels.pallas_background import pallas_background_backward
+        from jax_kernels.pallas.launch import pallas_backward
 
-        return pallas_background_backward(
+        return pallas_backward(
             hidden, item_weight, bias, class_weight, pos_weight, ids, g, block_sizes=config.block_sizes,
             focal=config.focal,
         )
@@ -101,9 +101,9 @@ def _backward(config, hidden, item_weight, bias, class_weight, pos_weight, ids, 
 def _value_and_grad(config, hidden, item_weight, bias, class_weight, pos_weight, ids, g):
     """`(rows, counts [2, N] or None, d_hidden, d_item_weight, d_bias or None)` for a known g."""
     if _runs_pallas(config, hidden):
-        from jax_kernels.pallas_background import pallas_background_value_and_grad
+        from jax_kernels.pallas.launch import pallas_value_and_grad
 
-        rows, predicted, hits, *grads = pallas_background_value_and_grad(
+        rows, predicted, hits, *grads = pallas_value_and_grad(
             hidden, item_weight, bias, class_weight, pos_weight, ids, g,
             compute_counts=config.compute_metrics, block_sizes=config.block_sizes, focal=config.focal,
         )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_kernels.shapes import accumulation_dtype_name
+from jax_kernels.neutral.shapes import accumulation_dtype_name
 
 
 def accumulation_dtype(dtype) -> jnp.dtype:
@@ -55,7 +55,7 @@ def element_terms(z, y, e):
 def branch_terms(z, positive: bool, focal=None):
     """`(loss, slope)` of every element of `z` on one branch, before any weight: a negative's
     `(softplus(z), sigmoid(z))` or a positive's `(softplus(-z), -sigmoid(-z))`; with focal, `term`
-    and its slope in `u = +-z` times focal's scale of that branch (jax_kernels/focal.py). A negative
+    and its slope in `u = +-z` times focal's scale of that branch (jax_kernels/neutral/focal.py). A negative
     at z = -inf (a positive taken out of its tile) gives 0 and 0."""
     e = jnp.exp(-jnp.abs(z))
     if focal is None:
@@ -86,7 +86,7 @@ def log1p_unit(e):
 
 
 def focal_terms(u, e, tail, gamma: float):
-    """`(term(u), d term / du)` of focal CutBCE (jax_kernels/focal.py), from `e = exp(-|u|)` and
+    """`(term(u), d term / du)` of focal CutBCE (jax_kernels/neutral/focal.py), from `e = exp(-|u|)` and
     `tail = log1p(e)`; u is the logit seen from the element's label (`-z` at a positive).
 
         term(u) = sigmoid(u)^gamma * softplus(u),   d term / du = sigmoid(u)^gamma * (gamma *

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jax_kernels.positives import accumulation_dtype
-from jax_kernels.shapes import reduction_divisor
+from jax_kernels.neutral.shapes import reduction_divisor
 
 
 def reduce_rows(rows, reduction, num_items):

@@ -33,7 +33,7 @@ from jax_kernels.core import (
     weighted_sum_cotangents,
 )
 from jax_kernels.reduction import finish
-from jax_kernels.shapes import AxisName, check_mesh_axes, mesh_axis_names, tile_width
+from jax_kernels.neutral.shapes import AxisName, check_mesh_axes, mesh_axis_names, tile_width
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 Runs as `PYTHONPATH=.venv/libtpu-overlay:. python tests/_tpu_compile_worker.py OUT.json [CHIP ...]`,
 so libtpu is loaded here and never in the pytest process. Every case is compiled (nothing runs)
-with `jax_kernels.tpu_compile.compile_for`: the raw `pallas_background_forward`,
-`pallas_background_backward` and `pallas_background_value_and_grad` (the one-pass d_hidden kernel
+with `benchmarks.tpu_compile.compile_for`: the raw `pallas_forward`,
+`pallas_backward` and `pallas_value_and_grad` (the one-pass d_hidden kernel
 that also sums the rows), and `jax.value_and_grad` of `jax_kernels.cut_bce(impl='pallas')` with
 respect to hidden, item_weight and bias ('mean': the one-pass kernels again, under the
 custom_vjp). OUT.json gets one record per compile. Importing this module only defines the case
@@ -73,7 +73,7 @@ def _structs(case):
 
 
 def _focal(case):
-    from jax_kernels.focal import Focal
+    from jax_kernels.neutral.focal import Focal
 
     return Focal(*case["focal"]) if case.get("focal") else None
 
@@ -94,11 +94,11 @@ def _loss_and_grads(hidden, item_weight, targets, bias, class_weight, pos_weight
 
 def compile_case(chip, case):
     """The four compiles of one case, as JSON-ready records."""
-    from jax_kernels import tpu_compile
-    from jax_kernels.pallas_background import (
-        pallas_background_backward,
-        pallas_background_forward,
-        pallas_background_value_and_grad,
+    from benchmarks import tpu_compile
+    from jax_kernels.pallas.launch import (
+        pallas_backward,
+        pallas_forward,
+        pallas_value_and_grad,
     )
 
     s = _structs(case)
@@ -107,9 +107,9 @@ def compile_case(chip, case):
     prefix = "focal_" if focal else ""
     common = (s["hidden"], s["item_weight"], s["bias"], s["class_weight"], s["pos_weight"], s["ids"])
     jobs = {
-        "forward": (functools.partial(pallas_background_forward, compute_counts=counts, focal=focal), common),
-        "backward": (functools.partial(pallas_background_backward, focal=focal), common + (s["g"],)),
-        "value_and_grad": (functools.partial(pallas_background_value_and_grad, compute_counts=counts,
+        "forward": (functools.partial(pallas_forward, compute_counts=counts, focal=focal), common),
+        "backward": (functools.partial(pallas_backward, focal=focal), common + (s["g"],)),
+        "value_and_grad": (functools.partial(pallas_value_and_grad, compute_counts=counts,
                                              focal=focal),
                            common + (s["g"],)),
         "cut_bce_value_and_grad": (functools.partial(_loss_and_grads, counts=counts, focal=focal),
@@ -121,8 +121,8 @@ def compile_case(chip, case):
 
 
 def main(out_path, chips):
-    from jax_kernels import tpu_compile
-    from jax_kernels.pallas_background import pallas_background_forward
+    from benchmarks import tpu_compile
+    from jax_kernels.pallas.launch import pallas_forward
 
     tpu_compile.pin_mosaic_version()
     records = []
@@ -134,7 +134,7 @@ def main(out_path, chips):
     for what, case in TEMP_CASES.items():
         s = _structs(case)
         if what.startswith("forward"):
-            fn = functools.partial(pallas_background_forward, compute_counts=False)
+            fn = functools.partial(pallas_forward, compute_counts=False)
             args = (s["hidden"], s["item_weight"], None, None, None, s["ids"])
         else:
             fn = functools.partial(_loss_and_grads, counts=False)

@@ -1,4 +1,4 @@
-"""The CPU tile kernel (`jax_kernels/cpu_tile.c`) through both of its bindings, against float64.
+"""The CPU tile kernel (`jax_kernels/neutral/cpu_tile.c`) through both of its bindings, against float64.
 
 - torch (ctypes, `fused_tile`) and JAX (XLA FFI, `negative_tile`): rows, rows + gradient and
   gradient of random tiles with the special values the engines feed it (positives taken out at -inf,
@@ -21,7 +21,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jax_kernels import cpu_tile_build
+from jax_kernels.neutral import cpu_tile_build
 from parity import TOLERANCES, assert_close
 from torch_cutbce import fused_tile
 
@@ -120,7 +120,7 @@ def test_jax_binding_matches_float64(tile):
     import jax
     import jax.numpy as jnp
 
-    from jax_kernels import negative_tile
+    from jax_kernels.blocked import negative_tile
 
     if not negative_tile._ffi_registered():
         pytest.skip("the FFI kernel could not be built here")
@@ -157,7 +157,7 @@ def _one_pass_loss(impl_kwargs=None):
 def test_the_jitted_cpu_loop_calls_the_kernel_and_copies_no_tile():
     import jax
 
-    from jax_kernels import negative_tile
+    from jax_kernels.blocked import negative_tile
 
     if not negative_tile._ffi_registered():
         pytest.skip("the FFI kernel could not be built here")
@@ -209,7 +209,7 @@ def test_torch_falls_back_with_one_warning_when_the_kernel_cannot_be_built(monke
 def test_jax_falls_back_with_one_warning_when_the_kernel_cannot_be_built(monkeypatch):
     import jax
 
-    from jax_kernels import negative_tile
+    from jax_kernels.blocked import negative_tile
 
     loss, args = _one_pass_loss()
     expected = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(*args)

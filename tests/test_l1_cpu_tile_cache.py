@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from jax_kernels import cpu_tile_build
+from jax_kernels.neutral import cpu_tile_build
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,7 +45,8 @@ import json, warnings
 warnings.simplefilter("always")
 with warnings.catch_warnings(record=True) as caught:
     import jax, jax.numpy as jnp, numpy as np
-    from jax_kernels import cut_bce, negative_tile
+    from jax_kernels import cut_bce
+    from jax_kernels.blocked import negative_tile
     from jax_kernels.reference import dense_cut_bce
     rng = np.random.default_rng(0)
     h, e = jnp.asarray(rng.standard_normal((33, 8)), jnp.float32), jnp.asarray(rng.standard_normal((301, 8)), jnp.float32)

@@ -86,7 +86,8 @@ def test_jax_rows_of_2_22_equal_logits_are_exact(tile, z, block_v, monkeypatch):
     import jax
     import jax.numpy as jnp
 
-    from jax_kernels import cut_bce, negative_tile
+    from jax_kernels import cut_bce
+    from jax_kernels.blocked import negative_tile
 
     if tile == "c_kernel" and not negative_tile._ffi_registered():
         pytest.skip("the FFI kernel could not be built here")
@@ -171,7 +172,8 @@ def test_jax_vmap_runs_through_the_ffi_kernel(reduction, monkeypatch):
     import jax
     import jax.numpy as jnp
 
-    from jax_kernels import cut_bce, dense_cut_bce, negative_tile
+    from jax_kernels import cut_bce, dense_cut_bce
+    from jax_kernels.blocked import negative_tile
 
     monkeypatch.setenv("TORCH_CUTBCE_TILE", "c_kernel")  # whichever tile this machine timed faster
     jax.clear_caches()

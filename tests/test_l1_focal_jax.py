@@ -40,7 +40,7 @@ FOCALS = [Focal(gamma, 0.25, balanced) for gamma in (0.5, 1.0, 2.0, 3.0) for bal
 
 
 def _tiles():
-    from jax_kernels.block_sizes import BlockSizes
+    from jax_kernels.pallas.block_sizes import BlockSizes
 
     return BlockSizes(block_n=128, block_v=128)
 

@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 
-from jax_kernels import tile_choice
+from jax_kernels.neutral import tile_choice
 from torch_cutbce import fused_tile
 
 
@@ -119,7 +119,8 @@ def test_jax_runs_the_candidate_measured_fastest(timings, want, tmp_path, monkey
     import jax
     import jax.numpy as jnp
 
-    from jax_kernels import cut_bce, negative_tile
+    from jax_kernels import cut_bce
+    from jax_kernels.blocked import negative_tile
 
     if not negative_tile._ffi_registered():
         pytest.skip("the FFI kernel could not be built here")

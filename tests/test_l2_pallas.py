@@ -1,7 +1,7 @@
 """Rung L2: the Pallas kernels (interpret mode on CPU) against a float64 dense oracle.
 
 The kernels compute every element's exact loss in its tile (formulas: the docstring of
-jax_kernels/pallas_background.py, docs/design.md 'The math'): with y[n, v] = (v in ids[n]),
+jax_kernels/pallas/launch.py, docs/design.md 'The math'): with y[n, v] = (v in ids[n]),
     rows[n] = sum_v cw[v] (pw[v] softplus(-z) if y else softplus(z)),
     predicted[n] = sum_v (z > 0),  hits[n] = sum_v y (z > 0),
     dz = g[n] cw[v] (-pw[v] sigmoid(-z) if y else sigmoid(z)) -> d_hidden, d_item_weight, d_bias.
@@ -27,17 +27,17 @@ pytest.importorskip("jax", reason="needs jax: pip install 'torch-cutbce[jax]'") 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jax_kernels.block_sizes import (  # noqa: E402
+from jax_kernels.pallas.block_sizes import (  # noqa: E402
     CHIPS,
     PORTABLE_CHIP,
     BlockSizes,
     default_block_sizes,
     vmem_estimate_bytes,
 )
-from jax_kernels.pallas_background import (  # noqa: E402
-    pallas_background_backward,
-    pallas_background_forward,
-    pallas_background_value_and_grad,
+from jax_kernels.pallas.launch import (  # noqa: E402
+    pallas_backward,
+    pallas_forward,
+    pallas_value_and_grad,
 )
 
 from parity import assert_close, jax_x64  # noqa: E402
@@ -148,18 +148,18 @@ def make_confident_inputs(seed, n, v, extra_d, num_slots):
 
 
 # Both ways to the six outputs: forward then backward (three kernels), and the one-pass gradient of
-# the scalar reductions (`pallas_background_value_and_grad`: the d_hidden kernel sums the rows too).
+# the scalar reductions (`pallas_value_and_grad`: the d_hidden kernel sums the rows too).
 ENGINES = ("two_pass", "one_pass")
 
 
 def run_kernels(inputs, block_sizes, engine="two_pass"):
     """`(rows, predicted, hits, d_hidden, d_item_weight, d_bias)` from the jitted launchers."""
     if engine == "one_pass":
-        fused = jax.jit(pallas_background_value_and_grad,
+        fused = jax.jit(pallas_value_and_grad,
                         static_argnames=("compute_counts", "block_sizes"))
         return fused(*inputs, compute_counts=True, block_sizes=block_sizes)
-    fwd = jax.jit(pallas_background_forward, static_argnames=("compute_counts", "block_sizes"))
-    bwd = jax.jit(pallas_background_backward, static_argnames=("block_sizes",))
+    fwd = jax.jit(pallas_forward, static_argnames=("compute_counts", "block_sizes"))
+    bwd = jax.jit(pallas_backward, static_argnames=("block_sizes",))
     return (*fwd(*inputs[:6], compute_counts=True, block_sizes=block_sizes),
             *bwd(*inputs, block_sizes=block_sizes))
 
@@ -295,24 +295,24 @@ def test_default_block_sizes_and_eager_call():
     resolves to the interpreter eagerly. compute_counts=False returns no counts; with L = 0,
     hits are 0."""
     hidden, item_weight, bias, cw, pw, ids, g = make_inputs(3, 70, 300, 16, 2)
-    rows, predicted, hits = pallas_background_forward(hidden, item_weight, bias, cw, pw, ids,
+    rows, predicted, hits = pallas_forward(hidden, item_weight, bias, cw, pw, ids,
                                                       compute_counts=False)
     assert predicted is None and hits is None
     assert_rows("default/rows", rows, oracle(hidden, item_weight, bias, cw, pw, ids, g)["rows"])
-    d_hidden, d_item_weight, d_bias = pallas_background_backward(hidden, item_weight, None, cw,
+    d_hidden, d_item_weight, d_bias = pallas_backward(hidden, item_weight, None, cw,
                                                                  pw, ids, g)
     assert d_bias is None
     truth = oracle(hidden, item_weight, None, cw, pw, ids, g)
     assert_close(d_hidden, truth["d_hidden"], dtype="float32", name="default/d_hidden")
     assert_close(d_item_weight, truth["d_item_weight"], dtype="float32", name="default/d_item_weight")
     no_slots = np.zeros((70, 0), np.int32)
-    _, predicted, hits = pallas_background_forward(hidden, item_weight, bias, cw, pw, no_slots,
+    _, predicted, hits = pallas_forward(hidden, item_weight, bias, cw, pw, no_slots,
                                                    compute_counts=True)
     np.testing.assert_array_equal(hits, np.zeros(70))
     assert predicted.shape == (70,)
     # The one-pass launcher eagerly, without counts, bias or ids.
     truth = oracle(hidden, item_weight, None, cw, pw, no_slots, g)
-    rows, predicted, hits, d_hidden, _, d_bias = pallas_background_value_and_grad(
+    rows, predicted, hits, d_hidden, _, d_bias = pallas_value_and_grad(
         hidden, item_weight, None, cw, pw, no_slots, g, compute_counts=False)
     assert predicted is None and hits is None and d_bias is None
     assert_rows("default/one_pass/rows", rows, truth["rows"])
@@ -324,27 +324,27 @@ def test_bad_inputs_raise():
     h32, w32 = h64.astype(np.float32), w64.astype(np.float32)
     ids = np.full((4, 2), -1, np.int32)
     with pytest.raises(TypeError, match="float64"):
-        pallas_background_forward(h64, w64, None, None, None, ids, compute_counts=False)
+        pallas_forward(h64, w64, None, None, None, ids, compute_counts=False)
     with pytest.raises(TypeError, match="float64"):
-        pallas_background_backward(h64, w64, None, None, None, ids, np.zeros(4, np.float32))
+        pallas_backward(h64, w64, None, None, None, ids, np.zeros(4, np.float32))
     with pytest.raises(ValueError, match="g must have shape"):
-        pallas_background_value_and_grad(h32, w32, None, None, None, ids,
+        pallas_value_and_grad(h32, w32, None, None, None, ids,
                                          np.zeros(3, np.float32), compute_counts=True)
     with pytest.raises(TypeError, match="float16"):
-        pallas_background_forward(h64.astype(np.float16), w64.astype(np.float16), None, None,
+        pallas_forward(h64.astype(np.float16), w64.astype(np.float16), None, None,
                                   None, ids, compute_counts=False)
     with pytest.raises(TypeError, match="must match"):
-        pallas_background_forward(h32, jnp.zeros((16, 8), jnp.bfloat16), None, None, None, ids,
+        pallas_forward(h32, jnp.zeros((16, 8), jnp.bfloat16), None, None, None, ids,
                                   compute_counts=False)
     for name, position in (("bias", 2), ("pos_weight", 4)):
         args = [h32, w32, None, None, None, ids]
         args[position] = np.zeros(15, np.float32)
         with pytest.raises(ValueError, match=name):
-            pallas_background_forward(*args, compute_counts=False)
+            pallas_forward(*args, compute_counts=False)
     with pytest.raises(ValueError, match="ids"):
-        pallas_background_forward(h32, w32, None, None, None, ids[:3], compute_counts=False)
+        pallas_forward(h32, w32, None, None, None, ids[:3], compute_counts=False)
     with pytest.raises(TypeError, match="ids"):
-        pallas_background_forward(h32, w32, None, None, None, ids.astype(np.float32),
+        pallas_forward(h32, w32, None, None, None, ids.astype(np.float32),
                                   compute_counts=False)
 
 
@@ -399,17 +399,17 @@ CALL_JAX_SCRIPT = textwrap.dedent(
     import torch_xla.core.xla_builder as xb
     import numpy as np
     from parity import assert_close
-    from jax_kernels.block_sizes import BlockSizes
-    from jax_kernels.pallas_background import (
-        pallas_background_backward, pallas_background_forward)
+    from jax_kernels.pallas.block_sizes import BlockSizes
+    from jax_kernels.pallas.launch import (
+        pallas_backward, pallas_forward)
 
     BS = BlockSizes(block_n=128, block_v=256)
 
     def forward(h, w, b, c, p, ids):  # module level: call_jax caches by id(fn)
-        return pallas_background_forward(h, w, b, c, p, ids, compute_counts=True, block_sizes=BS)
+        return pallas_forward(h, w, b, c, p, ids, compute_counts=True, block_sizes=BS)
 
     def backward(h, w, b, c, p, ids, g):
-        return pallas_background_backward(h, w, b, c, p, ids, g, block_sizes=BS)
+        return pallas_backward(h, w, b, c, p, ids, g, block_sizes=BS)
 
     rng = np.random.default_rng(0)
     n, v, d = 200, 600, 40

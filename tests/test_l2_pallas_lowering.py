@@ -21,11 +21,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax import export  # noqa: E402
 
-from jax_kernels.block_sizes import BlockSizes, default_block_sizes  # noqa: E402
-from jax_kernels.pallas_background import (  # noqa: E402
-    pallas_background_backward,
-    pallas_background_forward,
-    pallas_background_value_and_grad,
+from jax_kernels.pallas.block_sizes import BlockSizes, default_block_sizes  # noqa: E402
+from jax_kernels.pallas.launch import (  # noqa: E402
+    pallas_backward,
+    pallas_forward,
+    pallas_value_and_grad,
 )
 
 NS = (1000, 8192)
@@ -49,14 +49,14 @@ def lower_all(n, v, d, dtype, block_sizes, *, bias, class_weight, pos_weight, nu
     """Export forward, backward and the one-pass value_and_grad for TPU; return their module texts."""
 
     def forward(h, w, b, c, p, ids):
-        return pallas_background_forward(h, w, b, c, p, ids, compute_counts=compute_counts,
+        return pallas_forward(h, w, b, c, p, ids, compute_counts=compute_counts,
                                          block_sizes=block_sizes)
 
     def backward(h, w, b, c, p, ids, g):
-        return pallas_background_backward(h, w, b, c, p, ids, g, block_sizes=block_sizes)
+        return pallas_backward(h, w, b, c, p, ids, g, block_sizes=block_sizes)
 
     def one_pass(h, w, b, c, p, ids, g):
-        return pallas_background_value_and_grad(h, w, b, c, p, ids, g, block_sizes=block_sizes,
+        return pallas_value_and_grad(h, w, b, c, p, ids, g, block_sizes=block_sizes,
                                                 compute_counts=compute_counts)
 
     args = (sds((n, d), dtype), sds((v, d), dtype), sds((v,)) if bias else None,
@@ -144,9 +144,9 @@ def test_cpu_lowering_uses_the_interpreter():
     block_sizes = BlockSizes(block_n=128, block_v=256)
 
     def both(h, w, b, c, p, ids, g):
-        rows, _, _ = pallas_background_forward(h, w, b, c, p, ids, compute_counts=True,
+        rows, _, _ = pallas_forward(h, w, b, c, p, ids, compute_counts=True,
                                                block_sizes=block_sizes)
-        return rows, pallas_background_backward(h, w, b, c, p, ids, g, block_sizes=block_sizes)
+        return rows, pallas_backward(h, w, b, c, p, ids, g, block_sizes=block_sizes)
 
     args = (sds((300, 40)), sds((700, 40)), sds((700,)), sds((700,)), sds((700,)),
             sds((300, 4), jnp.int32), sds((300,)))

@@ -1,11 +1,11 @@
 """The Pallas kernels compile for real TPU chips (v4, v5e, v5p, v6e), on a host without a TPU.
 
-libtpu's compile-only client (jax_kernels/tpu_compile.py) runs in a subprocess,
+libtpu's compile-only client (benchmarks/tpu_compile.py) runs in a subprocess,
 `_tpu_compile_worker.py`, with `.venv/libtpu-overlay` (built by ci/setup.sh) on PYTHONPATH: this
 process never loads libtpu, so its JAX and torch_xla stay on the CPU. The worker compiles, nothing
 runs: for each chip, every subset of {bias, class_weight, pos_weight, counts} with L = 0 and L > 0,
 float32 and bfloat16 alternating, at odd small shapes (32 cases per chip), four programs each: the
-raw `pallas_background_forward`, `pallas_background_backward` and `pallas_background_value_and_grad`
+raw `pallas_forward`, `pallas_backward` and `pallas_value_and_grad`
 (the one-pass kernels of 'mean'/'sum'), and `jax.value_and_grad` of `jax_kernels.cut_bce(impl='pallas')`
 (516 compiles in all with the four HBM temp cases), and the focal variants: two cases per chip
 (`worker.FOCAL_CASES`), the same four programs (32 compiles more). Measured: 2-3 min for this file under pytest on
@@ -25,7 +25,7 @@ import pytest
 pytest.importorskip("jax", reason="needs jax: pip install 'torch-cutbce[jax]' (and .venv/libtpu-overlay: ci/setup.sh)")
 
 import _tpu_compile_worker as worker  # noqa: E402
-from jax_kernels import tpu_compile  # noqa: E402
+from benchmarks import tpu_compile  # noqa: E402
 
 pytestmark = pytest.mark.tpu_compile
 
@@ -77,7 +77,7 @@ def test_hbm_temp_holds_nothing_table_sized(records, what):
     Before: 642.6 MiB at bfloat16, D 64: a copy of the table into the kernels' row-major layout
     (D padded to 128 lanes: 214 MiB), the float32 table gradient out of the d_item kernel
     (428 MiB lane-padded), and its copy back. Now the kernels take the table as [D, V] where XLA
-    stores it so (`pallas_background._items_in_lanes`) and write the gradient in the table's dtype:
+    stores it so (`pallas.launch._items_in_lanes`) and write the gradient in the table's dtype:
     0 bytes measured for every case here (benchmarks/results/tpu_temp_before_after.md). The bound
     is a quarter of the table's bytes, so that any table-sized buffer (a copy of the table in any
     dtype or layout, an f32 gradient) fails, while the token-sized ones (hidden and d_hidden in

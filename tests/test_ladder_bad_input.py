@@ -3,7 +3,7 @@
 The same input runs through `cut_bce_with_logits` (backend 'native' and 'dense'),
 `CutBCEWithLogitsLoss`, `jax_kernels.cut_bce` (impl 'blocked') and `jax_kernels.dense_cut_bce`.
 Errors are ValueError / TypeError whose message names the argument, shows the shape, dtype or
-value it got and says what was expected (the checks are shared, in `jax_kernels/shapes.py`).
+value it got and says what was expected (the checks are shared, in `jax_kernels/neutral/shapes.py`).
 Degenerate but valid inputs (N = 0, D = 0, int64 ids beyond int32, a bias of another float dtype,
 half inputs on the dense path) give the answer of torch's BCEWithLogitsLoss on the materialized
 logits. Tensors on different devices are left to the torch_xla bridge tests.

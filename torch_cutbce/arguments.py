@@ -1,6 +1,6 @@
 """The torch entry's argument rules: validation, the backend choice, devices, dtypes.
 
-Shape and dtype rules are framework-neutral and live in `jax_kernels.shapes.check_arguments`
+Shape and dtype rules are framework-neutral and live in `jax_kernels.neutral.shapes.check_arguments`
 (shared with `jax_kernels.cut_bce`); this module describes torch tensors to it and adds what only
 torch has (devices, requires_grad, autocast).
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from jax_kernels.shapes import ArraySpec, check_arguments, check_largest_id
+from jax_kernels.neutral.shapes import ArraySpec, check_arguments, check_largest_id
 
 BACKENDS = ("auto", "native", "dense", "xla", "xla_blocked", "xla_pallas")
 

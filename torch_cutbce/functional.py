@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from jax_kernels.focal import Focal, check_focal
-from jax_kernels.shapes import reduction_divisor, tile_width
+from jax_kernels.neutral.focal import Focal, check_focal
+from jax_kernels.neutral.shapes import reduction_divisor, tile_width
 from torch_cutbce import arguments, ops
 from torch_cutbce.arguments import BACKENDS  # noqa: F401  (re-exported by torch_cutbce)
 from torch_cutbce.metrics import CutBCEMetrics
@@ -117,7 +117,7 @@ def cut_bce_with_logits(
         same on every rank, and every rank gets the same loss and `d_hidden` ('mean' divides by
         N x the global V). See `torch_cutbce.vocab_parallel`.
       focal: a `Focal(gamma=2.0, alpha=0.25, apply_class_balancing=False)` for the focal loss
-        (Keras `BinaryFocalCrossentropy` semantics; formulas: `jax_kernels/focal.py`), or None.
+        (Keras `BinaryFocalCrossentropy` semantics; formulas: `jax_kernels/neutral/focal.py`), or None.
         gamma = 0 without balancing is plain BCE. Exact like the plain loss, on every backend.
 
     Returns:

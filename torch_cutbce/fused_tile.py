@@ -12,9 +12,9 @@ exact to rounding for any z.
     counts(z)                  -> #{v : z > 0} per row (metrics)
 
 Plain float32 tiles on the CPU run one of three candidates (`TILES`): the C kernel
-`jax_kernels/cpu_tile.c` (built once per machine, one pass that may write dz over z:
+`jax_kernels/neutral/cpu_tile.c` (built once per machine, one pass that may write dz over z:
 `writes_grad_in_place`), the `torch.compile`d version or the eager twin, whichever the first use on
-the machine timed fastest (`_measured_cpu_tile`, `jax_kernels/tile_choice.py`; `TORCH_CUTBCE_TILE`
+the machine timed fastest (`_measured_cpu_tile`, `jax_kernels/neutral/tile_choice.py`; `TORCH_CUTBCE_TILE`
 forces one). Other float32 tiles (CUDA, focal) run the `torch.compile`d version (one vectorized
 loop per function) with log1p as a polynomial (`_log1p_unit`, 4e-9 relative: Sleef's log1p costs
 about 4 exps); everything else runs the eager twin (float64, a side of length 1,
@@ -30,7 +30,7 @@ import warnings
 
 import torch
 
-from jax_kernels import cpu_tile_build, tile_choice  # framework-neutral: no jax import
+from jax_kernels.neutral import cpu_tile_build, tile_choice  # framework-neutral: no jax import
 
 _compile_seconds: dict[str, float] = {}
 _compile_failed = False
@@ -97,7 +97,7 @@ def _counts(z):
     return (z > 0).sum(-1, dtype=torch.float32)
 
 
-# Focal tiles (`jax_kernels/focal.py`): term(z) = sigmoid(z)^gamma softplus(z), gamma > 0 a 0-d tensor.
+# Focal tiles (`jax_kernels/neutral/focal.py`): term(z) = sigmoid(z)^gamma softplus(z), gamma > 0 a 0-d tensor.
 # sigmoid(z)^gamma = exp(-gamma softplus(-z)); at z = -inf (a positive taken out) it is exp(-inf) = 0,
 # so the element adds 0 and its gradient is 0 (gamma = 0 runs the plain functions instead).
 
@@ -265,7 +265,7 @@ def _compiling_allowed() -> bool:
 
 def _plain_cpu_tile() -> str:
     """The tile for plain float32 CPU tiles: `TORCH_CUTBCE_TILE` if it names one that is available,
-    else the candidate measured fastest on this machine (`jax_kernels/tile_choice.py`), else
+    else the candidate measured fastest on this machine (`jax_kernels/neutral/tile_choice.py`), else
     torch.compile's tile without the C kernel, the eager one without a compiler. Env read per call."""
     if cpu_tile_build.disabled():
         return "eager"

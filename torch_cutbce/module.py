@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from jax_kernels.focal import Focal, check_focal
-from jax_kernels.shapes import AxisName, check_block_v, check_mesh_axes, check_reduction
+from jax_kernels.neutral.focal import Focal, check_focal
+from jax_kernels.neutral.shapes import AxisName, check_block_v, check_mesh_axes, check_reduction
 from torch_cutbce.arguments import check_backend, check_parallel_options
 from torch_cutbce.functional import cut_bce_with_logits
 from torch_cutbce.vocab_parallel import VocabParallelOptions

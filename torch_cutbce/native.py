@@ -9,7 +9,7 @@ positive gets its own exact terms afterwards (`positives.positive_terms`, O(N L)
   upstream g[n], their gradients (each logits tile recomputed).
 - `loss_and_grads`: the 'sum' / 'mean' loss with its gradients computed in the same pass.
 
-Each takes `focal` (a `jax_kernels.focal.Focal`, or None for plain BCE): focal tile functions for
+Each takes `focal` (a `jax_kernels.neutral.focal.Focal`, or None for plain BCE): focal tile functions for
 the negatives, focal terms for the positives.
 
 How torch sees these functions (custom ops, autograd, torch.compile) is `ops.py`'s job.
@@ -82,7 +82,7 @@ def _add_tile_grads(dz, items, h, start, stop, d_hidden, d_items, d_bias):
 
 
 class _NegativeTerms:
-    """The tile functions for the negatives, plain or focal (`jax_kernels/focal.py`), the class
+    """The tile functions for the negatives, plain or focal (`jax_kernels/neutral/focal.py`), the class
     weight the tiles use (scaled by 1 - alpha under focal class balancing), and whether they write
     the gradient over the logits (`fused_tile.writes_grad_in_place`: the plain CPU kernel)."""
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from jax_kernels.focal import from_args as _focal, to_args as _focal_args  # custom ops take plain values
+from jax_kernels.neutral.focal import from_args as _focal, to_args as _focal_args  # custom ops take plain values
 from torch_cutbce import native, positives
 from torch_cutbce.arguments import check_ids_below_vocab
 

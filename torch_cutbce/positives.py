@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from jax_kernels.shapes import accumulation_dtype_name
+from jax_kernels.neutral.shapes import accumulation_dtype_name
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -85,7 +85,7 @@ def positive_terms(logits, ids, class_weight, pos_weight, g=None, focal=None):
 
     `loss = w softplus(-z)`, `dz = -g w sigmoid(-z)`, `w = cw pw`, at valid ids (`ids >= 0`), exactly
     0 elsewhere (`where`, not a product: a padded slot's undefined logit never leaks in). With a
-    `jax_kernels.focal.Focal`, the focal term of u = -z (`focal.py`) and `w = cw pw positive_scale`.
+    `jax_kernels.neutral.focal.Focal`, the focal term of u = -z (`focal.py`) and `w = cw pw positive_scale`.
     Weights are `[V]` or None; computed in `logits`' dtype.
     """
     valid = ids >= 0

@@ -30,7 +30,7 @@ def dense_bce_with_logits(
 ):
     """CutBCE's loss computed the O(N V)-memory way. Arguments as `cut_bce_with_logits`.
 
-    With `focal` (a `jax_kernels.focal.Focal`) the focal loss, written from its definition in logit
+    With `focal` (a `jax_kernels.neutral.focal.Focal`) the focal loss, written from its definition in logit
     space and independent of the engines' formulas: each element's BCE `log(1 + exp(u))` (u the
     logit seen from the element's label) times `exp(gamma * logsigmoid(u))` = `(1 - p_t)^gamma`,
     times alpha / 1 - alpha with class balancing; `pos_weight` and the weights multiply as in BCE.

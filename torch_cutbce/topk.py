@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from jax_kernels.shapes import tile_width
+from jax_kernels.neutral.shapes import tile_width
 from torch_cutbce.positives import accumulation_dtype
 
 

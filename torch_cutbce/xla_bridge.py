@@ -44,8 +44,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jax_kernels.core as jax_core  # noqa: E402
-from jax_kernels.shapes import choose_impl  # noqa: E402
-from jax_kernels.focal import from_args as focal_from_args, to_args as focal_args  # noqa: E402
+from jax_kernels.neutral.shapes import choose_impl  # noqa: E402
+from jax_kernels.neutral.focal import from_args as focal_from_args, to_args as focal_args  # noqa: E402
 from torch_cutbce.positives import accumulation_dtype  # noqa: E402
 import jax_kernels.sharded as jax_sharded  # noqa: E402
 
@@ -115,7 +115,7 @@ def _join(axis) -> str:
 def _static(block_v, compute_metrics, impl, mesh_shape, mesh_axes, vocab_axis, data_axis, focal_args):
     """The call_jax keyword arguments: the config, and the sharded layout when a mesh is given."""
     # cpu_kernel=False: torch_xla runs its own XLA build, where the FFI target of the blocked loop's C
-    # kernel is not registered (jax_kernels/negative_tile.py); the jnp tiles compute the same.
+    # kernel is not registered (jax_kernels/blocked/negative_tile.py); the jnp tiles compute the same.
     config = jax_core.CutBCEConfig(block_v=block_v, compute_metrics=compute_metrics, impl=impl,
                                    focal=focal_from_args(*focal_args), cpu_kernel=False)
     if not mesh_shape:

@@ -1,6 +1,6 @@
 """Pallas TPU kernel bodies of CutBCE and the tile math they share (Refs in, nothing validated).
 
-The formulas, the ragged-shape rules and the reasons behind them are in `pallas_background.py`'s
+The formulas, the ragged-shape rules and the reasons behind them are in `pallas/launch.py`'s
 docstring; the `pallas_call`s that run these bodies (grids, BlockSpecs, cost estimates) are in
 `pallas_calls.py`. Three kernels, each recomputing its `[block_n, block_v]` logits tile with one MXU
 matmul into an f32 VMEM scratch and walking it in strips of 8 rows for the elementwise work:
@@ -17,7 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jax_kernels.block_sizes import LANES
+from jax_kernels.pallas.block_sizes import LANES
 from jax_kernels.positives import focal_terms
 
 _NT = (((1,), (1,)), ((), ()))  # [a, k] x [b, k] -> [a, b]: contract both minor dims.
@@ -148,7 +148,7 @@ def _signed(z, y):
 
 
 def _focal_terms(zs, e, focal):
-    """`(term(zs), term'(zs))` of the focal loss (jax_kernels/focal.py; zs is its u, the logit seen
+    """`(term(zs), term'(zs))` of the focal loss (jax_kernels/neutral/focal.py; zs is its u, the logit seen
     from the element's label), or None for plain CutBCE: computed once per strip, shared by
     `_element_loss` and `_dz_over_g`."""
     return None if focal is None else focal_terms(zs, e, jnp.log1p(e), focal.gamma)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from jax_kernels import negative_tile
+from jax_kernels.blocked import negative_tile
 from jax_kernels.positives import accumulation_dtype, branch_terms
 
 

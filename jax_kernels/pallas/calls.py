@@ -1,6 +1,6 @@
 """The `pallas_call`s of CutBCE's Pallas kernels: grids, BlockSpecs, scratch, cost estimates.
 
-Each builder takes the launcher's operands (`pallas_background._prepare`: hidden padded to a tile
+Each builder takes the launcher's operands (`pallas.launch._prepare`: hidden padded to a tile
 multiple, the table as `[V, D]` or `[D, V]`, the optional `[1, V]` f32 rows, the ids) and its
 static options as keywords, plus `interpret`; `on_platform` picks `interpret` by the platform the
 computation is lowered for. The kernel bodies are in `pallas_kernels.py`.
@@ -16,8 +16,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jax_kernels.block_sizes import LANES
-from jax_kernels.pallas_kernels import d_hidden_kernel, d_item_kernel, forward_kernel
+from jax_kernels.pallas.block_sizes import LANES
+from jax_kernels.pallas.kernels import d_hidden_kernel, d_item_kernel, forward_kernel
 
 
 def _input_specs(flags, bs, d, num_slots, items_in_lanes, *, token_axis):

@@ -15,9 +15,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_kernels.block_sizes import LANES, BlockSizes, default_block_sizes
-from jax_kernels.focal import Focal
-from jax_kernels.pallas_calls import d_hidden_call, d_item_call, forward_call, on_platform
+from jax_kernels.pallas.block_sizes import LANES, BlockSizes, default_block_sizes
+from jax_kernels.neutral.focal import Focal
+from jax_kernels.pallas.calls import d_hidden_call, d_item_call, forward_call, on_platform
 
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
@@ -80,7 +80,7 @@ def _prepare(hidden, item_weight, bias, class_weight, pos_weight, ids, block_siz
                           items_in_lanes=items_in_lanes, focal=focal)
 
 
-def pallas_background_forward(
+def pallas_forward(
     hidden: jax.Array,
     item_weight: jax.Array,
     bias: jax.Array | None,
@@ -104,7 +104,7 @@ def pallas_background_forward(
             every other slot holds -1. L may be 0 (no positives).
         compute_counts: also count, per row, the items with `z > 0` and the positives among them.
         block_sizes: tiles and VMEM limit; None derives them from the chip (`default_block_sizes`).
-        focal: a `jax_kernels.focal.Focal`: each element's softplus(zs) becomes the focal
+        focal: a `jax_kernels.neutral.focal.Focal`: each element's softplus(zs) becomes the focal
             `term(zs)`, scaled by its class balance (`positives.focal_terms`); None: plain.
 
     Returns:
@@ -123,7 +123,7 @@ def pallas_background_forward(
     return _summed_rows(on_platform(call, *operands), n, compute_counts, static)
 
 
-def pallas_background_backward(
+def pallas_backward(
     hidden: jax.Array,
     item_weight: jax.Array,
     bias: jax.Array | None,
@@ -142,10 +142,10 @@ def pallas_background_backward(
     and d_bias.
 
     Args:
-        hidden, item_weight, bias, class_weight, pos_weight, ids: as in `pallas_background_forward`.
+        hidden, item_weight, bias, class_weight, pos_weight, ids: as in `pallas_forward`.
         g: `[N]` upstream gradient of rows (cast to float32).
         block_sizes: tiles and VMEM limit; None derives them from the chip.
-        focal: as in `pallas_background_forward` (dz / g is focal's `term'`, signed and weighted).
+        focal: as in `pallas_forward` (dz / g is focal's `term'`, signed and weighted).
 
     Returns:
         `d_hidden` `[N, D]` float32, `d_item_weight` `[V, D]` in item_weight's dtype (accumulated
@@ -163,7 +163,7 @@ def pallas_background_backward(
             *_table_grads(operands, static, g, has_bias=bias is not None))
 
 
-def pallas_background_value_and_grad(
+def pallas_value_and_grad(
     hidden: jax.Array,
     item_weight: jax.Array,
     bias: jax.Array | None,
@@ -176,7 +176,7 @@ def pallas_background_value_and_grad(
     block_sizes: BlockSizes | None = None,
     focal: Focal | None = None,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None, jax.Array, jax.Array, jax.Array | None]:
-    """`pallas_background_forward` and `pallas_background_backward` in two kernels instead of three.
+    """`pallas_forward` and `pallas_backward` in two kernels instead of three.
 
     For an upstream gradient `g` known before the forward (the scalar reductions 'mean' and 'sum'),
     the d_hidden kernel also accumulates the rows and counts from the logits tile it computes
@@ -186,13 +186,13 @@ def pallas_background_value_and_grad(
 
     Args:
         hidden, item_weight, bias, class_weight, pos_weight, ids, compute_counts, focal: as in
-            `pallas_background_forward`.
+            `pallas_forward`.
         g: `[N]` upstream gradient of rows (cast to float32).
         block_sizes: tiles and VMEM limit; None derives them from the chip.
 
     Returns:
-        `(rows, predicted, hits)` as `pallas_background_forward` returns them, then
-        `(d_hidden, d_item_weight, d_bias)` as `pallas_background_backward` does.
+        `(rows, predicted, hits)` as `pallas_forward` returns them, then
+        `(d_hidden, d_item_weight, d_bias)` as `pallas_backward` does.
 
     Raises:
         TypeError: for float64 or float16 inputs, mismatched dtypes, or non-integer ids.

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from jax_kernels import cpu_tile_build
+from jax_kernels.neutral import cpu_tile_build
 
 ENV = "TORCH_CUTBCE_TILE"
 MEASURED_TILE = (1024, 1024)  # the [N, block_v] tile each candidate's rows_grad is timed on
