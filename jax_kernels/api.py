@@ -6,10 +6,9 @@ import dataclasses
 import functools
 
 from jax_kernels.arguments import engine_operands, prepare, resolve_impl
-from jax_kernels.core import CutBCEConfig, cut_bce_rows, cut_bce_weighted_sum
+from jax_kernels.core import call_config, cut_bce_rows, cut_bce_weighted_sum
 from jax_kernels.neutral.focal import check_focal
 from jax_kernels.reduction import finish
-from jax_kernels.neutral.shapes import tile_width
 from jax_kernels.sharded import sharded_loss
 
 def cut_bce(
@@ -98,13 +97,9 @@ def cut_bce(
         item_weight, bias, class_weight, pos_weight = (
             None if x is None else x[:num_items] for x in (item_weight, bias, class_weight, pos_weight))
         size = dataclasses.replace(size, num_items=num_items)
-    config = CutBCEConfig(
-        block_v=tile_width(block_v, size.num_positions, size.num_items),
-        compute_metrics=return_metrics,
-        impl=resolve_impl(impl, hidden.dtype),
-        block_sizes=block_sizes,
-        focal=focal,
-    )
+    config = call_config(block_v=block_v, num_positions=size.num_positions, num_items=size.num_items,
+                         impl=resolve_impl(impl, hidden.dtype), compute_metrics=return_metrics,
+                         block_sizes=block_sizes, focal=focal)
     operands = engine_operands(size, hidden, item_weight, targets, bias, class_weight, pos_weight)
     # 'sum' / 'mean' take core.cut_bce_weighted_sum: the gradients computed during the forward.
     return finish(functools.partial(cut_bce_rows, config), functools.partial(cut_bce_weighted_sum, config),

@@ -24,9 +24,10 @@ import jax.numpy as jnp
 
 from jax_kernels import positives
 from jax_kernels.neutral.focal import Focal, check_focal
-from jax_kernels.blocked.loop import blocked_backward, blocked_forward, blocked_value_and_grad
+from jax_kernels.engines import ENGINES, engine_for
+from jax_kernels.neutral.shapes import tile_width
 
-IMPLS = ("blocked", "pallas")
+IMPLS = tuple(ENGINES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,56 +64,13 @@ class CutBCEConfig:
         object.__setattr__(self, "focal", check_focal(self.focal))
 
 
-def _runs_pallas(config, hidden) -> bool:
-    # The kernels need a row and a hidden unit to tile; an empty problem (N = 0 or D = 0) runs the
-    # blocked loop, which gives the same (trivial) result.
-    return config.impl == "pallas" and hidden.shape[0] > 0 and hidden.shape[1] > 0
-
-
-def _forward(config, hidden, item_weight, bias, class_weight, pos_weight, ids):
-    """`(rows [N], counts [2, N] or None)`: the exact rows, and the predicted positives and hits."""
-    if _runs_pallas(config, hidden):
-        from jax_kernels.pallas.launch import pallas_forward
-
-        rows, predicted, hits = pallas_forward(
-            hidden, item_weight, bias, class_weight, pos_weight, ids,
-            compute_counts=config.compute_metrics, block_sizes=config.block_sizes, focal=config.focal,
-        )
-        return rows, (jnp.stack([predicted, hits]) if config.compute_metrics else None)
-    return blocked_forward(
-        hidden, item_weight, bias, class_weight, pos_weight, ids,
-        block_v=config.block_v, compute_counts=config.compute_metrics, focal=config.focal,
-        cpu_kernel=config.cpu_kernel,
-    )
-
-
-def _backward(config, hidden, item_weight, bias, class_weight, pos_weight, ids, g):
-    if _runs_pallas(config, hidden):
-        from jax_kernels.pallas.launch import pallas_backward
-
-        return pallas_backward(
-            hidden, item_weight, bias, class_weight, pos_weight, ids, g, block_sizes=config.block_sizes,
-            focal=config.focal,
-        )
-    return blocked_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, g, block_v=config.block_v,
-                            focal=config.focal, cpu_kernel=config.cpu_kernel)
-
-
-def _value_and_grad(config, hidden, item_weight, bias, class_weight, pos_weight, ids, g):
-    """`(rows, counts [2, N] or None, d_hidden, d_item_weight, d_bias or None)` for a known g."""
-    if _runs_pallas(config, hidden):
-        from jax_kernels.pallas.launch import pallas_value_and_grad
-
-        rows, predicted, hits, *grads = pallas_value_and_grad(
-            hidden, item_weight, bias, class_weight, pos_weight, ids, g,
-            compute_counts=config.compute_metrics, block_sizes=config.block_sizes, focal=config.focal,
-        )
-        return rows, (jnp.stack([predicted, hits]) if config.compute_metrics else None), *grads
-    return blocked_value_and_grad(
-        hidden, item_weight, bias, class_weight, pos_weight, ids, g,
-        block_v=config.block_v, compute_counts=config.compute_metrics, focal=config.focal,
-        cpu_kernel=config.cpu_kernel,
-    )
+def call_config(*, block_v, num_positions, num_items, impl, compute_metrics, block_sizes=None, focal=None,
+                cpu_kernel=True) -> CutBCEConfig:
+    """The one place a call's config is built (the entry, its mesh route and the torch_xla bridge):
+    `block_v` is the caller's tile width or None, sized by `shapes.tile_width` for the
+    `num_positions` x `num_items` each device sees; `impl` an engine name, already resolved."""
+    return CutBCEConfig(block_v=tile_width(block_v, num_positions, num_items), compute_metrics=compute_metrics,
+                        impl=impl, block_sizes=block_sizes, focal=focal, cpu_kernel=cpu_kernel)
 
 
 def _metric_counts(config, counted, ids, num_items):
@@ -152,14 +110,16 @@ def cut_bce_forward(hidden, item_weight, targets, bias, class_weight, pos_weight
       (else a `[0, N]` placeholder, so the output structure is always the same pair).
     """
     ids = positives.positive_ids(targets, item_weight.shape[0])
-    rows, counted = _forward(config, hidden, item_weight, bias, class_weight, pos_weight, ids)
+    engine = engine_for(config.impl, hidden)
+    rows, counted = engine.forward(config, hidden, item_weight, bias, class_weight, pos_weight, ids)
     return rows, _metric_counts(config, counted, ids, item_weight.shape[0])
 
 
 def cut_bce_backward(hidden, item_weight, targets, bias, class_weight, pos_weight, g, *, config: CutBCEConfig):
     """Gradients of `sum_n g[n] rows[n]`: `(d_hidden, d_item_weight, d_bias or None)` in the input dtypes."""
     ids = positives.positive_ids(targets, item_weight.shape[0])
-    grads = _backward(config, hidden, item_weight, bias, class_weight, pos_weight, ids, g)
+    engine = engine_for(config.impl, hidden)
+    grads = engine.backward(config, hidden, item_weight, bias, class_weight, pos_weight, ids, g)
     return _in_input_dtypes(hidden, item_weight, bias, grads)
 
 
@@ -178,7 +138,8 @@ def cut_bce_value_and_grad(hidden, item_weight, targets, bias, class_weight, pos
       the caller scales them by the upstream scalar in float32 and rounds to each input's dtype.
     """
     ids = positives.positive_ids(targets, item_weight.shape[0])
-    rows, counted, *grads = _value_and_grad(config, hidden, item_weight, bias, class_weight, pos_weight, ids, g)
+    engine = engine_for(config.impl, hidden)
+    rows, counted, *grads = engine.value_and_grad(config, hidden, item_weight, bias, class_weight, pos_weight, ids, g)
     counts = _metric_counts(config, counted, ids, item_weight.shape[0])
     return (rows, counts), tuple(grads)
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jax_kernels.positives import accumulation_dtype
-from jax_kernels.neutral.shapes import reduction_divisor
+from jax_kernels.neutral.shapes import accumulation_dtype_name, reduction_divisor
 
 
 def reduce_rows(rows, reduction, num_items):
-    """'none': the rows; 'sum': their sum; 'mean': the sum over N x V (`shapes.reduction_divisor`)."""
+    """Framework code the oracle shares (no engine in it). 'none': the rows; 'sum': their sum; 'mean': the sum over N x V (`shapes.reduction_divisor`)."""
     if reduction == "none":
         return rows
     if reduction == "sum":
@@ -19,7 +18,7 @@ def reduce_rows(rows, reduction, num_items):
 
 def scalar_row_weight(weight, reduction, num_positions, num_items, dtype):
     """Each row's factor in the scalar loss: weight (or 1) over the reduction's divisor (as reduce_rows)."""
-    acc = accumulation_dtype(dtype)
+    acc = accumulation_dtype_name(jnp.dtype(dtype).name)
     w = jnp.ones((num_positions,), acc) if weight is None else weight.reshape(num_positions).astype(acc)
     return w / reduction_divisor(reduction, num_positions, num_items)
 

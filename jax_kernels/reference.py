@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from jax_kernels.arguments import prepare
 from jax_kernels.neutral.focal import check_focal
-from jax_kernels.neutral.shapes import reduction_divisor
+from jax_kernels.reduction import reduce_rows  # the tail shared with the entries: no engine in it
 
 
 def multi_hot(targets: jax.Array, num_items: int, dtype=jnp.float32) -> jax.Array:
@@ -137,10 +137,3 @@ def _focal_elements(z, y, pw, focal):
     scale = jnp.where(y > 0, pw * (focal.alpha if balanced else 1.0), (1 - focal.alpha) if balanced else 1.0)
     return scale * jnp.exp(-focal.gamma * jax.nn.softplus(-u)) * jax.nn.softplus(u)
 
-
-def reduce_rows(rows, reduction, num_items):
-    if reduction == "none":
-        return rows
-    if reduction == "sum":
-        return rows.sum()
-    return rows.sum() / reduction_divisor(reduction, rows.shape[0], num_items)

@@ -1,0 +1,86 @@
+"""The import floors of docs/design.md ('Import floors'), checked in fresh interpreters.
+
+`jax_kernels/neutral` imports neither framework (torch_cutbce loads it without jax, jax_kernels
+without torch); `jax_kernels` never imports torch; the oracles import no engine; the engine registry
+names exactly the engines the framework-neutral impl rule accepts.
+"""
+
+from __future__ import annotations
+
+import json
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _modules(package: str) -> list[str]:
+    """Every module of `package` (a folder of this checkout or of the installed package), sub-packages included."""
+    module = __import__(package, fromlist=["__path__"])
+    return [package] + [info.name for info in pkgutil.walk_packages(module.__path__, package + ".")]
+
+
+def _imported_after(modules: list[str]) -> set[str]:
+    """The top-level package names in sys.modules after importing `modules` in a fresh interpreter."""
+    code = (
+        "import importlib, json, sys\n"
+        f"for name in {modules!r}: importlib.import_module(name)\n"
+        "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return set(json.loads(out.stdout.splitlines()[-1]))
+
+
+def test_neutral_imports_no_framework():
+    loaded = _imported_after(_modules("jax_kernels.neutral"))
+    assert not loaded & {"torch", "jax", "jaxlib", "torch_xla"}, sorted(loaded)
+
+
+def test_jax_kernels_never_imports_torch():
+    pytest.importorskip("jax")
+    loaded = _imported_after(_modules("jax_kernels"))
+    assert "torch" not in loaded and "torch_xla" not in loaded
+
+
+def _own_imports(module: str) -> set[str]:
+    """The modules of this repository that `module` imports, transitively, read from the source (a
+    runtime check would count the package `__init__`s, which load the entries)."""
+    import ast
+
+    seen, todo = set(), [module]
+    while todo:
+        name = todo.pop()
+        path = ROOT / (name.replace(".", "/") + ".py")
+        if name in seen or not path.exists():
+            continue
+        seen.add(name)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                todo += [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.Import):
+                todo += [alias.name for alias in node.names]
+    return seen - {module}
+
+
+@pytest.mark.parametrize("oracle", ["jax_kernels.reference", "torch_cutbce.reference"])
+def test_oracles_import_no_engine(oracle):
+    engines = ("jax_kernels.blocked", "jax_kernels.pallas", "jax_kernels.engines", "jax_kernels.core",
+               "jax_kernels.positives", "jax_kernels.branch_math", "torch_cutbce.native", "torch_cutbce.ops",
+               "torch_cutbce.fused_tile", "torch_cutbce.positives", "torch_cutbce.branch_math",
+               "torch_cutbce.xla_bridge")
+    imported = _own_imports(oracle)
+    assert imported, oracle  # the walk found the module
+    assert not [m for m in imported if m.startswith(engines)], sorted(imported)
+
+
+def test_registry_matches_the_impl_rule():
+    pytest.importorskip("jax")
+    from jax_kernels.engines import ENGINES
+    from jax_kernels.neutral.shapes import IMPL_CHOICES
+
+    assert IMPL_CHOICES == ("auto", *ENGINES)
