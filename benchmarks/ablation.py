@@ -1,18 +1,11 @@
-"""Before / after for each speed change of the native and JAX blocked paths (the numbers in NOTES.md).
+"""Before / after for each speed change of the native and JAX blocked paths (NOTES.md sections 1-4).
 
     .venv/bin/python benchmarks/ablation.py                  # N=4096 D=64 V=32768 float32, 5 rounds
-    .venv/bin/python benchmarks/ablation.py --threads 1 --rounds 3
+    .venv/bin/python benchmarks/ablation.py --parts jax --threads 1 --rounds 3
 
-Three parts, each interleaved in one process (medians, and ratios to the part's first row):
-1. Tile functions, ns per logits element: the eager twin; torch.compile with torch.log1p; with the
-   polynomial log1p under inductor's default fusion thresholds; as shipped (polynomial, one loop).
-2. The native loss, forward + backward: the code before this work (commit 9e6b519, frozen in
-   benchmarks/frozen/before_speed_work/), the recompute-in-backward Function with compiled tiles
-   (reduction='none', summed), gradients in the forward with eager tiles, and as shipped; against
-   dense eager and mm_floor.
-3. The JAX blocked loop before (9e6b519, frozen there too) and after, forward and forward +
-   backward, under jit; and the scalar reductions' one-pass loop (gradients in the forward).
-4. The native loss and mm_floor at tile widths 256 .. 4096 (the cache fit).
+Each part interleaves its variants in one process (medians, ratios to the part's first row): the
+tile functions, the native loss, the JAX blocked loop, tile widths. The "before" rows import
+commit 9e6b519's engines (the last commit before the speed work) through `at_commit`.
 """
 
 from __future__ import annotations
@@ -23,9 +16,11 @@ import statistics
 import sys
 import time
 
+import at_commit
+import provenance
 import providers as P
 
-BEFORE = "9e6b519"  # the last commit before the speed work; its engines are in frozen/before_speed_work/
+BEFORE = "9e6b519"  # the last commit before the speed work: the "before" rows import its engines
 
 
 def interleave(variants: dict, rounds: int) -> dict:
@@ -46,9 +41,7 @@ _where_said = False
 def report(title, medians, unit="ms", scale=1e3, per=1.0):
     global _where_said
     if not _where_said:  # every result says where it holds: CPU model, ISA, commit, command
-        from bench import git_sha, machine
-
-        print(f"{machine()}; commit {git_sha()}; command: python {' '.join(sys.argv)}")
+        print(provenance.stamp())
         _where_said = True
     print(f"\n{title}")
     first = next(iter(medians.values()))
@@ -59,7 +52,7 @@ def report(title, medians, unit="ms", scale=1e3, per=1.0):
 def tile_part(shape, block_v, rounds):
     import torch
 
-    from torch_cutbce import fused_tile
+    from torch_cutbce import branch_math, fused_tile
 
     def log1p_rows_grad(z, cw, g, out):
         e = torch.exp(-z.abs())
@@ -69,7 +62,7 @@ def tile_part(shape, block_v, rounds):
 
     def in_place_rows_grad(z, cw, g):
         e = torch.exp(-z.abs())
-        rows = ((torch.clamp_min(z, 0) + fused_tile._log1p_unit(e)) * cw).sum(-1)
+        rows = ((torch.clamp_min(z, 0) + branch_math.log1p_unit(e)) * cw).sum(-1)
         z.copy_(torch.where(z >= 0, 1.0, e) / (1 + e) * (g * cw))
         return rows
 
@@ -91,7 +84,7 @@ def tile_part(shape, block_v, rounds):
            interleave(variants, rounds), unit="ns/elem", scale=1e9, per=z.numel())
     def two_loop_rows(z, cw):
         e = torch.exp(-z.abs())  # three users: inductor stores e, then reduces in a second loop
-        return ((torch.clamp_min(z, 0) + fused_tile._log1p_unit(e)) * cw).sum(-1)
+        return ((torch.clamp_min(z, 0) + branch_math.log1p_unit(e)) * cw).sum(-1)
 
     two_loops = torch.compile(two_loop_rows, dynamic=True, fullgraph=True, options=options)
     rows = fused_tile._compiled("rows", torch.get_num_threads())
@@ -109,7 +102,7 @@ def native_part(shape, block_v, rounds):
 
     from torch_cutbce import cut_bce_with_logits
 
-    from frozen.before_speed_work import torch_native as before
+    before = at_commit.load(BEFORE).module("torch_cutbce.native")
     h0, e0, t0 = (torch.tensor(a) for a in P.make_numpy_inputs(shape))
     n, v = shape.num_positions, shape.num_items
 
@@ -166,7 +159,7 @@ def jax_part(shape, block_v, rounds):
 
     from jax_kernels.blocked import loop as blocked
 
-    from frozen.before_speed_work import jax_blocked as before
+    before = at_commit.load(BEFORE).module("jax_kernels.blocked")
     h, e, _ = (jnp.asarray(a) for a in P.make_numpy_inputs(shape))
     n, v = shape.num_positions, shape.num_items
 

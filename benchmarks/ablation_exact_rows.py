@@ -1,15 +1,12 @@
 """The price of exact rows (issue 11): positives taken out of the tile vs background + sparse correction.
 
-    .venv/bin/python benchmarks/ablation_exact_rows.py            # N=4096 D=64 V=32768 L=8 float32, 11 rounds
+    .venv/bin/python benchmarks/ablation_exact_rows.py        # N=4096 D=64 V=32768 L=8 float32, 11 rounds
+    .venv/bin/python benchmarks/ablation_exact_rows.py --frameworks torch
 
-One process, interleaved rounds, medians. "before" is the engine code of commit c6712c3, frozen in
-benchmarks/frozen/before_exact_rows/ (background + correction: softplus(z) summed, z subtracted
-at the positives); "after" is the shipped code (each element's own branch inside the tile, the
-tile's positives marked by a scatter). Both run the same Function / custom_vjp entry with the same
-inputs (`providers.make_numpy_inputs`: a quarter of the slots padding, duplicates), 'mean'
-reduction, fwd+bwd. Bounds from the issue: after <= 1.05 x before, after <= 1.3 x the 3-matmul floor
-(each path against its own framework's matmuls: torch's `mm_floor` for native, the same loop jitted
-for JAX).
+"Before" is commit c6712c3's engines (softplus(z) summed over every item, z subtracted at the
+positives), imported through `at_commit`; "after" is the working tree's public entries. Interleaved
+rounds, medians, 'mean' forward + backward, each path also against its own framework's three-matmul
+floor (NOTES.md section 7).
 """
 
 from __future__ import annotations
@@ -17,18 +14,23 @@ from __future__ import annotations
 import argparse
 import sys
 
+import at_commit
+import provenance
 import providers as P
 from ablation import interleave
+
+BEFORE = "c6712c3"  # the last commit before issue 11: background + sparse correction
 
 
 def native_variants(shape, block_v):
     import torch
 
-    from frozen.before_exact_rows import torch_native as before
-    from torch_cutbce import ops as after
+    from torch_cutbce import cut_bce_with_logits
+
+    before = at_commit.load(BEFORE).module("torch_cutbce.native")
 
     h0, e0, t0 = (torch.tensor(a) for a in P.make_numpy_inputs(shape))
-    divisor = float(shape.num_positions * shape.num_items)
+    divisor = float(shape.num_positions * shape.num_items)  # 'mean', as the "after" entry divides
 
     def step_before():
         h, e = h0.clone().requires_grad_(), e0.clone().requires_grad_()
@@ -37,8 +39,7 @@ def native_variants(shape, block_v):
 
     def step_after():
         h, e = h0.clone().requires_grad_(), e0.clone().requires_grad_()
-        loss, _ = after.loss(h, e, None, None, None, None, t0, divisor=divisor, block_v=block_v, compute_metrics=False)
-        loss.backward()
+        cut_bce_with_logits(h, e, t0, block_v=block_v).backward()  # 'mean': divides by N V too
 
     return {
         "native before (background + correction)": step_before,
@@ -51,31 +52,32 @@ def jax_variants(shape, block_v):
     import jax
     import jax.numpy as jnp
 
-    from frozen.before_exact_rows import jax_core as before
-    from jax_kernels import core as after
+    import jax_kernels
+
+    before = at_commit.load(BEFORE).module("jax_kernels.core")
 
     h, e, t = P.make_numpy_inputs(shape)
     h, e, t = jnp.asarray(h), jnp.asarray(e), jnp.asarray(t, jnp.int32)
     n, v = shape.num_positions, shape.num_items
     row_weight = jnp.full((n,), 1.0 / (n * v), jnp.float32)
 
-    def one_pass(module):
-        config = module.CutBCEConfig(block_v=block_v)
-
-        def loss(h, e):
-            return module.cut_bce_weighted_sum(config, h, e, t, None, None, None, row_weight)[0]
-
+    def compiled(loss):
         c = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(h, e).compile()
         return lambda: jax.block_until_ready(c(h, e))
 
-    def two_pass(module):
-        config = module.CutBCEConfig(block_v=block_v)
+    config = before.CutBCEConfig(block_v=block_v)
 
-        def loss(h, e):
-            return module.cut_bce_rows(config, h, e, t, None, None, None)[0].sum() / (n * v)
+    def before_one_pass(h, e):
+        return before.cut_bce_weighted_sum(config, h, e, t, None, None, None, row_weight)[0]
 
-        c = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(h, e).compile()
-        return lambda: jax.block_until_ready(c(h, e))
+    def before_two_pass(h, e):
+        return before.cut_bce_rows(config, h, e, t, None, None, None)[0].sum() / (n * v)
+
+    def after_one_pass(h, e):  # 'mean' takes the one-pass custom_vjp
+        return jax_kernels.cut_bce(h, e, t, block_v=block_v, impl="blocked")
+
+    def after_two_pass(h, e):  # 'none' takes rows, then a backward that recomputes every tile
+        return jax_kernels.cut_bce(h, e, t, reduction="none", block_v=block_v, impl="blocked").sum() / (n * v)
 
     def matmul_floor():
         # The JAX twin of mm_floor: the blocked loop's three matmuls per tile (its table-gradient
@@ -97,10 +99,10 @@ def jax_variants(shape, block_v):
 
     return {
         "JAX mm_floor (3 blocked matmuls)": matmul_floor(),
-        "JAX blocked one-pass before": one_pass(before),
-        "JAX blocked one-pass after": one_pass(after),
-        "JAX blocked two-pass before": two_pass(before),
-        "JAX blocked two-pass after": two_pass(after),
+        "JAX blocked one-pass before": compiled(before_one_pass),
+        "JAX blocked one-pass after": compiled(after_one_pass),
+        "JAX blocked two-pass before": compiled(before_two_pass),
+        "JAX blocked two-pass after": compiled(after_two_pass),
     }
 
 
@@ -119,6 +121,7 @@ def main(argv=None):
     import torch
 
     shape = P.Shape(args.num_positions, args.hidden_size, args.num_items)
+    print(f"{provenance.stamp()}; before = commit {at_commit.resolve(BEFORE)[:7]}")
     print(f"torch threads {torch.get_num_threads()}, {shape.label()}, block_v={args.block_v}, fwd+bwd 'mean'")
     variants = {}
     if args.frameworks in ("torch", "both"):

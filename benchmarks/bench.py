@@ -4,38 +4,20 @@
     .venv/bin/python benchmarks/bench.py --quick         # tiny shapes, every code path, seconds (CI)
     .venv/bin/python benchmarks/bench.py --time-v 32768 --memory-v 16384 1048576 --providers native dense_eager
 
-Speed: one process builds every provider's inputs for a shape (`providers.setup`, the same setup
-the memory worker uses), runs each step once (the first call: compile time included, reported
-as first_ms), then `--repeats` rounds in which the providers take turns (interleaved, so that load
-from other processes hits all of them alike); the table shows medians and ratios to dense_eager
-in the same run. mm_floor is the roofline: its GFLOP/s is the matmul rate of this machine at these
-shapes, and every provider's "useful" rate (3 x 2NVD flops for fwd+bwd) is reported as a
-fraction of it.
-
-Memory: each (provider, V) runs in a fresh subprocess (`--memory-worker`) that builds its inputs,
-runs one step (warm-up: compiles, allocator pools), drops the outputs, resets the peak RSS
-(/proc/self/clear_refs), runs one more step and reports peak RSS minus the RSS before it minus
-the gradients' bytes: the memory the loss needs beyond its inputs and their gradients. Large
-allocations are forced to mmap (MALLOC_MMAP_THRESHOLD_) so freed memory leaves the RSS and the
-baseline holds only live memory. The worker runs under RLIMIT_AS = its address space + the budget
-(--memory-budget-gib), so a dense provider that cannot fit fails with an allocation error instead
-of taking the machine down; such a row reads status=oom. jax_blocked also reports XLA's compiled
-memory analysis (temp bytes).
-
-Output: a printed table, rows appended to <out-dir>/results.csv (shape, dtype, provider, mode,
-median_ms, peak_mib, git sha, machine, ...), and <out-dir>/time_vs_v.png, memory_vs_v.png.
+Speed: the providers of a shape take turns in one process, so other load hits them alike (medians,
+ratios to dense_eager, rates as a fraction of mm_floor's). Memory: each (provider, V) in a fresh
+subprocess under an address-space limit. Rows go to <out-dir>/results.csv with the commit, host and
+command, plots beside it; how each figure is measured: benchmarks/README.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import gc
 import json
 import os
 import pathlib
-import platform
 import statistics
 import subprocess
 import sys
@@ -43,57 +25,16 @@ import time
 
 import providers as P
 from proc_memory import limit_address_space, peak_rss_bytes, reset_peak_rss, rss_bytes
+from provenance import append_rows, command, git_sha, isa_of_cpu, machine  # noqa: F401 (isa_of_cpu: re-exported)
 
 HERE = pathlib.Path(__file__).resolve().parent
 MIB = 1 << 20
-CSV_FIELDS = ("timestamp", "git_sha", "machine", "device", "provider", "mode", "num_positions", "hidden_size",
-              "num_items", "num_slots", "dtype", "block_v", "median_ms", "min_ms", "first_ms", "repeats",
+CSV_FIELDS = ("timestamp", "git_sha", "machine", "command", "device", "provider", "mode", "num_positions",
+              "hidden_size", "num_items", "num_slots", "dtype", "block_v", "median_ms", "min_ms", "first_ms", "repeats",
               "gflops", "floor_fraction", "peak_mib", "xla_temp_mib", "status", "note")
 
 
 # -- environment ------------------------------------------------------------------------------------
-
-
-def git_sha() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE,
-                               capture_output=True, text=True).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def _cpuinfo() -> dict[str, str]:
-    """The first value of each /proc/cpuinfo key (empty where there is none)."""
-    fields: dict[str, str] = {}
-    try:
-        for line in open("/proc/cpuinfo"):
-            key, _, value = line.partition(":")
-            fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    return fields
-
-
-def isa_of_cpu() -> str:
-    """The widest SIMD level of this CPU: AVX-512, AVX2, NEON or SSE/other."""
-    flags = (_cpuinfo().get("flags") or _cpuinfo().get("Features") or "").split()
-    for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("asimd", "NEON")):
-        if flag in flags:
-            return name
-    return "SSE/other" if flags else "unknown"
-
-
-def machine() -> str:
-    """CPU model (with family/model: "AMD EPYC" alone does not tell Zen 3 from Zen 4), ISA, cores, RAM."""
-    info = _cpuinfo()
-    model = info.get("model name") or platform.processor() or platform.machine()
-    if "cpu family" in info:
-        model += f" (family {info['cpu family']} model {info.get('model', '?')})"
-    ram_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
-    return f"{model}, {isa_of_cpu()}, {os.cpu_count()} cores, {ram_gib:.0f} GiB"
 
 
 # -- speed -----------------------------------------------------------------------------------------
@@ -179,10 +120,10 @@ def run_memory_worker(provider, shape, mode, budget_gib, timeout_s) -> dict:
     # reserves 64 MiB of address space, which RLIMIT_AS counts).
     env = dict(os.environ, PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU"),
                MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0", MALLOC_ARENA_MAX="2")
-    command = [sys.executable, str(HERE / "bench.py"), "--memory-worker", provider, mode,
-               "--shape", json.dumps(vars(shape)), "--memory-budget-gib", str(budget_gib)]
+    worker = [sys.executable, str(HERE / "bench.py"), "--memory-worker", provider, mode,
+              "--shape", json.dumps(vars(shape)), "--memory-budget-gib", str(budget_gib)]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout_s)
+        done = subprocess.run(worker, capture_output=True, text=True, env=env, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return dict(status="timeout", note=f"memory worker ran past {timeout_s} s")
     for line in reversed(done.stdout.splitlines()):
@@ -221,14 +162,9 @@ def print_table(records):
 
 
 def append_csv(path: pathlib.Path, records):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    new = not path.exists()
-    with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
-        if new:
-            writer.writeheader()
+    with append_rows(path, CSV_FIELDS) as write:
         for r in records:
-            writer.writerow({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()})
+            write({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()})
 
 
 # -- driver ----------------------------------------------------------------------------------------
@@ -286,7 +222,7 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     P.prepare(args.providers)
     stamp = dict(timestamp=datetime.datetime.now().isoformat(timespec="seconds"), git_sha=git_sha(),
-                 machine=machine(), device=f"cpu ({torch.get_num_threads()} torch threads)")
+                 machine=machine(), command=command(), device=f"cpu ({torch.get_num_threads()} torch threads)")
     print(f"{stamp['machine']} | torch {torch.__version__} | git {stamp['git_sha']}", flush=True)
     records = {}
 

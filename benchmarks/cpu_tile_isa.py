@@ -3,14 +3,10 @@
     taskset -c 0 .venv/bin/python benchmarks/cpu_tile_isa.py --threads 1              # the CPU's own ISA
     taskset -c 0 .venv/bin/python benchmarks/cpu_tile_isa.py --threads 1 --isa avx2   # AVX2 on an AVX-512 CPU
 
-Forward + backward at N 4096, V 32,768, D 64, L 8, float32 ('mean'), interleaved in one process
-(medians of `--rounds`): native with the C kernel, torch.compile's tile and the eager tile
-(`TORCH_CUTBCE_TILE`), the tile the first use measured fastest, `mm_floor` (the three matmul passes
-alone) and dense `BCEWithLogitsLoss`. `--isa avx2` builds the C kernel for x86-64-v3 and caps
-torch (ATen, inductor's C++), MKL and oneDNN at AVX2 before torch is imported: the code an
-AVX2-only CPU runs, on a CPU that has more (its cores are not those of an AVX2-only CPU).
-Each run appends its table, with the CPU, ISA, threads, commit and command, to `--out`
-(benchmarks/results/cpu_tile_isa.txt).
+`--isa avx2` builds the C kernel for x86-64-v3 and caps torch, MKL and oneDNN at AVX2 before torch
+is imported: the code an AVX2-only CPU runs, on cores that have more. Each run appends its table,
+with the host, ISA, threads, commit and command, to `--out` (results/cpu_tile_isa.txt; NOTES.md
+section 12).
 """
 
 from __future__ import annotations
@@ -49,7 +45,7 @@ def main() -> None:
     import torch
 
     import providers as P
-    from bench import git_sha, isa_of_cpu, machine
+    from provenance import command, git_sha, isa_of_cpu, machine
     from torch_cutbce import fused_tile
 
     torch.set_num_threads(args.threads)
@@ -79,7 +75,7 @@ def main() -> None:
         f"## {time.strftime('%Y-%m-%d')} {shape.label()} fwd+bwd, {args.threads} thread(s), medians of {args.rounds}",
         f"machine: {machine()}; ISA run: {isa}; C kernel lanes {lanes} ({os.environ.get('TORCH_CUTBCE_MARCH', 'native')}); "
         f"torch {torch.__version__}; commit {git_sha()}",
-        f"command: {' '.join(['python', *sys.argv])} on CPUs {cpus}; "
+        f"command: {command()} on CPUs {cpus}; "
         f"the first use chose '{chosen}'",
         f"{'variant':<20} {'median s':>9} {'x floor':>8} {'dense / it':>11}",
     ]

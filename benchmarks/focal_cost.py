@@ -2,9 +2,9 @@
 
     .venv/bin/python benchmarks/focal_cost.py        # N 4096, V 32,768, D 64, L 8, float32, 'mean'
 
-Interleaved rounds, medians, on the native path and the jitted JAX blocked loop: plain CutBCE,
-focal gamma 2 (Keras' default), focal gamma 2 with class balancing, focal gamma 0.5 (fractional).
-Memory flat in V is `benchmarks/memory_check.py --focal-gamma 2`.
+Interleaved rounds, medians, on the native path and the jitted JAX blocked loop: plain, focal
+gamma 2 (Keras' default), gamma 2 with class balancing, gamma 0.5 (NOTES.md section 11). Memory
+flat in V: `benchmarks/memory_check.py --focal-gamma 2`.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+import provenance
 import providers as P
 from ablation import interleave
 
@@ -68,6 +69,7 @@ def main(argv=None):
     import torch
 
     shape = P.Shape(args.num_positions, 64, args.num_items)
+    print(provenance.stamp())
     print(f"torch threads {torch.get_num_threads()}, {shape.label()}, block_v={args.block_v}, fwd+bwd 'mean'")
     P.prepare(["jax_blocked"])
     medians = interleave({**native_steps(shape, args.block_v), **jax_steps(shape, args.block_v)}, args.rounds)

@@ -1,29 +1,19 @@
-"""The headline run: SASRec-like training steps over a 1,000,000-item catalog on a 2-core, 24 GiB CPU.
+"""The headline run: SASRec training steps over a 1,000,000-item catalog on a CPU, CutBCE vs dense BCE.
 
     .venv/bin/python benchmarks/headline.py                      # B=64, S=200, D=64, V=1,000,000, 3 steps
     .venv/bin/python benchmarks/headline.py --num-items 5000 --batch-size 4 --seq-len 20 --steps 2   # smoke
 
-The model is the example's SASRec (`examples/sasrec.py`, what `examples/train.py` trains): item
-embedding tied with the output item table, learned positions, causal pre-norm blocks; here one
-block, two heads, a 2x MLP, no item bias. The loss is full-catalog multi-label BCE: each
-position's targets are the next `--num-slots` items of its sequence (padding -1), every one of
-the V items scored. With CutBCE
-(`cut_bce_with_logits`, the native path) the step holds one `[N, block_v]` tile of logits; Adam
-updates the whole table. Printed: seconds per step (median of the steps after the first, which
-includes the first calls of the compiled tile functions and is reported apart), steps/s, losses,
-and the peak RSS of the process with its parts (parameters, gradients, Adam state).
-
-The dense loss (`BCEWithLogitsLoss(hidden @ E.T, multi_hot)`) needs, per step, the `[N, V]` float32
-logits, their gradient and the multi-hot target: at N = 12,800 and V = 1e6 that is 3 x 47.7 GiB
-before any temporary. It is attempted in a subprocess under RLIMIT_AS (its address space at start
-+ --dense-limit-gib), so the failure is observed without taking the machine down.
-Appends a row to benchmarks/results/headline.csv.
+The model is the examples' SASRec (examples/sasrec.py); each position's targets are its next
+`--num-slots` items, scored against all V. CutBCE (the native path) holds one `[N, block_v]` logits
+tile; the dense loss needs the `[N, V]` logits, their gradient and the multi-hot target, so it is
+attempted in a subprocess under an address-space limit, where failing cannot take the machine
+down. Appends a row (seconds per step, peak RSS and its parts, losses, commit, host, command) to
+results/headline.csv.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import json
 import math
@@ -41,6 +31,7 @@ sys.path.insert(0, str(HERE.parent))  # examples/ is a folder of scripts beside 
 
 from examples.sasrec import RecConfig, SASRec  # noqa: E402
 from proc_memory import MIB, limit_address_space, peak_rss_bytes  # noqa: E402
+from provenance import append_rows, command, git_sha, machine  # noqa: E402
 from torch_cutbce import cut_bce_with_logits, fused_tile  # noqa: E402
 
 GIB = 1 << 30
@@ -153,10 +144,10 @@ def main(argv=None):
     dense = dict(status="skipped")
     if not args.skip_dense:
         print(f"dense attempt (subprocess, RLIMIT_AS = start + {args.dense_limit_gib:g} GiB):", flush=True)
-        command = [sys.executable, __file__, "--dense-worker", "--num-items", str(args.num_items), "--batch-size",
-                   str(args.batch_size), "--seq-len", str(args.seq_len), "--hidden-size", str(args.hidden_size),
-                   "--num-slots", str(args.num_slots), "--dense-limit-gib", str(args.dense_limit_gib)]
-        done = subprocess.run(command, capture_output=True, text=True)
+        worker = [sys.executable, __file__, "--dense-worker", "--num-items", str(args.num_items), "--batch-size",
+                  str(args.batch_size), "--seq-len", str(args.seq_len), "--hidden-size", str(args.hidden_size),
+                  "--num-slots", str(args.num_slots), "--dense-limit-gib", str(args.dense_limit_gib)]
+        done = subprocess.run(worker, capture_output=True, text=True)
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
         dense = json.loads(lines[-1]) if lines else dict(status="failed", error=(done.stderr.strip().splitlines() or ["?"])[-1])
         print(f"  dense: {dense}", flush=True)
@@ -177,6 +168,7 @@ def main(argv=None):
         state_mib=round(4 * params_mib), loss_first=result["losses"][0], loss_last=result["losses"][-1],
         dense_need_gib=round(dense_need_gib(n, args.num_items), 1), dense_status=dense.get("status"),
         dense_error=dense.get("error", ""), dense_loss_first=dense.get("loss"),
+        git_sha=git_sha(), machine=machine(), command=command(),
     )
     print(f"\nCutBCE: median {seconds_per_step:.1f} s/step ({1 / seconds_per_step:.4f} steps/s) over {len(timed)} steps "
           f"after the first; first step {result['seconds'][0]:.1f} s, of which {compile_s:.1f} s in the tile "
@@ -186,13 +178,8 @@ def main(argv=None):
     print(f"dense: needs >= {summary['dense_need_gib']} GiB; attempt: {dense.get('status')} {dense.get('error', '')}")
     if dense.get("status") == "ok":  # small shapes: the same first loss both ways (same seed, same batch)
         print(f"first-step loss: dense {dense['loss']:.6f}, CutBCE {result['losses'][0]:.6f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    new = not args.out.exists()
-    with args.out.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(summary))
-        if new:
-            writer.writeheader()
-        writer.writerow(summary)
+    with append_rows(args.out, list(summary)) as write:
+        write(summary)
     print(f"appended to {args.out}")
     return 0 if all(math.isfinite(x) for x in result["losses"]) else 1
 

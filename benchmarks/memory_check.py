@@ -3,13 +3,10 @@
     .venv/bin/python benchmarks/memory_check.py                     # N=8192, V=1,048,576, D=64 float32
     .venv/bin/python benchmarks/memory_check.py -V 16384 131072 --reduction mean none --json
 
-Peak memory is the peak resident set size of this process (Linux's VmHWM, reset before each
-measurement through /proc/self/clear_refs, so one process can measure several shapes; without
-that, `ru_maxrss`, and one shape per process). "extra" is what the loss needs beyond its inputs and
-their gradients: peak - (RSS once the inputs exist + the gradients' bytes).
-The native path keeps it at O(N x block_v) whatever V is; the dense `[N, V]` float32 logits alone
-would take N V 4 bytes. Exits with status 1 when a peak exceeds --limit-mib (default 4 GiB, the
-bound issue 2 sets for the default shape).
+"extra" is the peak RSS beyond the inputs and their gradients (`proc_memory`; one process measures
+several shapes where Linux lets it reset the peak). The native path keeps it O(N x block_v) whatever
+V is, where the dense float32 logits alone take 4 N V bytes. Exits with status 1 when a peak exceeds
+--limit-mib (4 GiB, issue 2's bound at the default shape); tests/test_extra_memory.py runs it.
 """
 
 from __future__ import annotations
@@ -27,6 +24,7 @@ import time
 import torch
 
 from proc_memory import MIB, peak_rss_bytes, reset_peak_rss, rss_bytes
+from provenance import stamp
 from torch_cutbce import Focal, cut_bce_with_logits
 
 
@@ -102,6 +100,8 @@ def main(argv=None) -> int:
                         help="measure the focal loss with this gamma (class balancing on, alpha 0.25)")
     args = parser.parse_args(argv)
     focal = None if args.focal_gamma is None else Focal(args.focal_gamma, 0.25, apply_class_balancing=True)
+    if not args.json:
+        print(stamp())
 
     # Warm up kernels, compiled tile functions and thread pools on a tiny problem first.
     for reduction in args.reduction:

@@ -2,15 +2,10 @@
 
     .venv/bin/python benchmarks/mesh_bridge_one_pass.py      # XLA:CPU, 2 devices, 1 x 2 mesh, N 1024, V 8192, D 64
 
-One process, torch_xla SPMD over simulated CPU devices (CPU_NUM_DEVICES), the table marked
-sharded along V on 'model' and the positions along 'data'; interleaved rounds, medians of one step
-(forward, backward, `torch_xla.sync()`, wait):
-
-    two passes (before)  the route 'mean' took under a mesh before: `xla_bridge.cut_bce_rows`
-                         (cutbce::xla_rows, then xla_rows_backward recomputing every tile) and
-                         `reduction.reduce_rows`
-    one pass (shipped)   `cut_bce_with_logits(mesh=)`: cutbce::xla_weighted_sum over
-                         `jax_kernels.sharded.sharded_value_and_grad`, gradients in the forward
+Simulated CPU devices (CPU_NUM_DEVICES), the table split along V on 'model' and the positions
+along 'data'; interleaved rounds, medians of one step. Two passes is the route 'mean' took before
+(`xla_bridge.cut_bce_rows`, then the rows' reduction), one pass `cut_bce_with_logits(mesh=)` with
+the gradients from the forward; both must give the same loss and gradients (NOTES.md section 10).
 """
 
 from __future__ import annotations
@@ -44,7 +39,9 @@ def main(argv=None):
         xr.use_spmd()
     from ablation import interleave, report
     from jax_kernels.neutral.shapes import tile_width
+    from jax_kernels.neutral.options import CutBCEOptions
     from torch_cutbce import cut_bce_with_logits, xla_bridge
+    from torch_cutbce.arguments import mesh_layout
     from torch_cutbce.reduction import reduce_rows
 
     n, v, d = args.n, args.num_items, args.hidden_size
@@ -60,8 +57,8 @@ def main(argv=None):
     block_v = tile_width(None, n, v)  # what cut_bce_with_logits picks
 
     def two_passes():
-        rows, counts = xla_bridge.cut_bce_rows(hidden, items, None, None, None, targets, block_v=block_v,
-                                               compute_metrics=False, backend="xla", mesh=mesh)
+        options = CutBCEOptions(block_v=block_v, **mesh_layout(mesh, "model", "data"))
+        rows, counts = xla_bridge.cut_bce_rows(hidden, items, None, None, None, targets, options)
         return reduce_rows(rows, counts, None, "mean", (n,), v, False)
 
     def one_pass():

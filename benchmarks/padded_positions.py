@@ -1,15 +1,11 @@
-"""Padded positions before/after (issue 14): a batch of short sequences, most positions padding.
+"""Padded positions before / after (issue 14): a batch of short sequences, most positions padding.
 
     .venv/bin/python benchmarks/padded_positions.py       # batch 128 x 50, 88% padding, V 23,715, D 50
 
-The shape of a popular PyTorch SASRec on Amazon Video Games (maxlen 50, batch 128, 23,715 items,
-D 50; 88% of the positions are left padding), next item as the target (L = 1), 'sum' over the
-real positions as such code writes it (`weight=mask`). One process, interleaved rounds, medians
-of forward + backward:
-
-    all positions      padded positions computed and multiplied by weight 0 (the code before)
-    padding dropped    the shipped entry: positions with weight 0 and no valid target dropped
-    real rows only     what a user gets by selecting the real rows by hand (the lower bound)
+The shape of a popular PyTorch SASRec on Amazon Video Games, the next item as the target, 'sum'
+with `weight=mask` as such code writes it. Interleaved rounds, medians of forward + backward: every
+position computed (before), the shipped entry that drops padded positions, and the real rows
+selected by hand, the lower bound (NOTES.md section 10).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """One `setup()` per provider, shared by the speed and the memory benchmark (Liger's layout).
 
-A provider is one way of computing the same loss, `BCEWithLogitsLoss(hidden @ item_weight.T,
-multi_hot(targets), reduction='mean')`, and its gradients for hidden and item_weight:
+A provider is one way of computing `BCEWithLogitsLoss(hidden @ item_weight.T, multi_hot(targets),
+reduction='mean')` and its gradients for hidden and item_weight:
 
     dense_eager    torch: F.binary_cross_entropy_with_logits on the materialized [N, V] logits
     dense_compile  the same function under torch.compile (inductor, C++ on CPU)
@@ -9,13 +9,11 @@ multi_hot(targets), reduction='mean')`, and its gradients for hidden and item_we
     xla_bridge     torch_cutbce.cut_bce_with_logits on an XLA device (torch_xla -> call_jax -> JAX)
     xla_dense      the dense torch function on the same XLA device
     jax_blocked    jax_kernels.cut_bce under jax.jit (value_and_grad), compiled ahead of time
-    mm_floor       not a loss: the three matmul passes of a training step, blocked like native
-                   (logits, d_hidden, d_item_weight), i.e. the roofline the fused op is held to
+    mm_floor       not a loss: the three blocked matmul passes of a training step, the roofline
 
-`setup(provider, shape, mode)` builds the inputs (the dense providers also get the multi-hot
-target, an input the dense loss needs) and returns a `Case` whose `step()` runs one forward
-('fwd': the loss without gradients) or forward + backward ('fwd+bwd') to completion. Imports of
-torch_xla and jax happen inside setup, so a memory worker loads only what its provider needs.
+`setup(provider, shape, mode)` returns a `Case` whose `step()` runs one forward or forward +
+backward to completion. torch_xla and jax are imported inside setup, so a memory worker loads only
+what its provider needs.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Used only by the compile-only checks (tests/test_l2_tpu_*.py, benchmarks/tpu_com
 tpu_hbm.py, tpu_torch_step.py): the parent process builds a child's environment (`child_env`) and
 reads its result (`run_child`); the child, with `.venv/libtpu-overlay` (ci/setup.sh) on PYTHONPATH,
 compiles (`compile_for`). The library never imports this module. Importing it changes nothing:
-`pin_mosaic_version()` is the only patch, and the caller applies it. Recipe and measurements:
-/work/shared/reference/TOOLCHAIN.md section 8.
+`pin_mosaic_version()` is the only patch, and the caller applies it. How the client works and why
+the pin: docs/toolchain.md, 'Compiling for TPU without a TPU' and 'Mosaic version'.
 """
 
 from __future__ import annotations
@@ -14,11 +14,14 @@ import dataclasses
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-OVERLAY = ROOT / ".venv" / "libtpu-overlay"
+# Beside the running interpreter's environment: .venv's (ci/setup.sh: libtpu 0.0.20 for jax 0.7.1)
+# or .venv-jax's (ci/jax_newest.sh: the libtpu jax[tpu] pins for the newest JAX).
+OVERLAY = Path(sys.prefix) / "libtpu-overlay"
 
 # Smallest topology libtpu accepts for each chip (v5e and v6e refuse "1x1": their hosts hold 2x2).
 TOPOLOGIES = {"v4": "v4:2x2x1", "v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}

@@ -1,28 +1,28 @@
 """Compile CutBCE's training step for TPU chips over a shape matrix, on a host without a TPU.
 
-Each cell compiles `jax.value_and_grad` (hidden and item_weight) of
-`jax_kernels.cut_bce(impl='pallas')` with L = 8 target slots per position, through libtpu's
-compile-only client (`benchmarks.tpu_compile`), and appends one CSV row: chip, dtype, N, V, D, L,
-status (ok / error / timeout), error text, seconds, XLA's memory analysis (temp, argument, output,
-generated code bytes) and the git sha. Nothing runs; the bytes are what the compiled program would
-hold in HBM. Every cell is a fresh subprocess with `.venv/libtpu-overlay` on PYTHONPATH, so a hung
-compile is cut off by `--timeout-s` and this process never loads libtpu.
-
+    .venv/bin/python benchmarks/tpu_compile_matrix.py --timeout-s 120                        # every cell
     .venv/bin/python benchmarks/tpu_compile_matrix.py --chips v5e --dtypes bfloat16 --n 8192 --d 64
+
+Each cell compiles `jax.value_and_grad` of `jax_kernels.cut_bce(impl='pallas')` with libtpu's
+compile-only client in a fresh subprocess, so a hung compile is cut off by `--timeout-s` and this
+process never loads libtpu, and appends one CSV row: status, seconds, XLA's memory analysis,
+commit, command, host (benchmarks/README.md reads them; docs/toolchain.md, 'Compiling for TPU
+without a TPU').
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import csv
 import itertools
-import subprocess
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+if str(ROOT) not in sys.path:  # run as a script: `benchmarks.*` and the packages from the root
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.provenance import append_rows, command, git_sha, machine  # noqa: E402
 CHIPS = ("v4", "v5e", "v5p", "v6e")
 DTYPES = ("float32", "bfloat16")
 NS = (1000, 8192, 16384)
@@ -30,35 +30,7 @@ VS = (1000, 100_000, 876_939, 10_000_000)
 DS = (64, 96, 256)
 NUM_SLOTS = 8
 FIELDS = ("chip", "dtype", "N", "V", "D", "L", "status", "error", "seconds", "temp_bytes",
-          "argument_bytes", "output_bytes", "code_bytes", "git_sha")
-
-
-def git_sha() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                             text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-@contextlib.contextmanager
-def append_rows(path: Path, fields):
-    """`write(row)` appending CSV rows to `path` (the header first when the file is new), each flushed."""
-    new = not path.exists()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", newline="") as f:
-        writer = csv.DictWriter(f, fields, restval="")
-        if new:
-            writer.writeheader()
-
-        def write(row):
-            writer.writerow(row)
-            f.flush()
-
-        yield write
+          "argument_bytes", "output_bytes", "code_bytes", "git_sha", "command", "host")
 
 
 def compile_one(chip, dtype, n, v, d, num_slots):
@@ -120,10 +92,10 @@ def main():
     cells = sorted(itertools.product(args.chips, args.dtypes, args.n, args.v, args.d),
                    key=lambda c: (c[2] * c[4] + c[3] * c[4], c))  # smallest (N + V) D first
     cells = cells[: args.limit] if args.limit is not None else cells
-    sha = git_sha()
+    sha, where, host = git_sha(), command(), machine()
     with append_rows(args.out, FIELDS) as write:
         for cell in cells:
-            row = dict(run_cell(*cell, args.num_slots, args.timeout_s), git_sha=sha)
+            row = dict(run_cell(*cell, args.num_slots, args.timeout_s), git_sha=sha, command=where, host=host)
             write(row)
             mib = f"{row['temp_bytes'] / 2**20:.1f} MiB temp" if row.get("temp_bytes") is not None else ""
             print(f"{row['chip']} {row['dtype']} N {row['N']} V {row['V']} D {row['D']}: {row['status']} "

@@ -1,28 +1,15 @@
 """HBM per TPU chip: CutBCE beside the dense loss a user would write, compiled for v5e and v6e (no TPU).
 
-Each cell compiles the loss part of a training step, `jax.value_and_grad` with respect to hidden
-and item_weight, of one of two losses over `[N, D]` positions, a `[V, D]` table and `[N, L]` ids:
-
-- `cutbce`: `jax_kernels.cut_bce(impl='pallas')`, reduction 'mean' (on a mesh: its `mesh=` option);
-- `dense`: `optax.sigmoid_binary_cross_entropy(h @ E.T, multi_hot).mean()` with the multi-hot built
-  by a scatter from the ids (`dense_bce` below: what a user writes, materializing `[N, V]`).
-
-with libtpu's compile-only client (`benchmarks/tpu_compile.py`; nothing executes), and appends one
-CSV row per cell with XLA's memory analysis per chip: argument, output, temp, alias and code bytes,
-`peak_bytes` = argument + output + temp - alias (the HBM figure reported as "peak": `hbm_bytes`) and
-XLA's own `peak_memory_in_bytes` (`xla_peak_bytes`, which also counts VMEM). A program that does not
-fit is a result: the compiler's out-of-memory message is recorded (status `oom`, and
-`oom_needed_bytes`, the lower bound of the HBM it asks for, parsed from it). Every cell is a fresh
-subprocess with `.venv/libtpu-overlay` on PYTHONPATH and a timeout, as in `tpu_compile_matrix.py`.
-
-Cells: single chip (v5e, v6e; N 8192, D 64, L 8, V from 10^4 to 10^7), and the paper's shape on an
-8-chip v6e slice ("v6e:2x4"): 64 x 256 = 16,384 positions, L 8, V 876,939, in two layouts (`LAYOUTS`).
-Afterwards it writes `results/tpu_hbm.png` and `results/tpu_hbm.md` from the CSV's rows.
-
-    .venv/bin/python benchmarks/tpu_hbm.py                      # every cell: 23 min on 2 shared cores
-    .venv/bin/python benchmarks/tpu_hbm.py --losses cutbce      # only CutBCE's cells: 2 min
-    .venv/bin/python benchmarks/tpu_hbm.py --cells single --v 10000 --chips v5e --out /tmp/x.csv
+    .venv/bin/python benchmarks/tpu_hbm.py                      # every cell
+    .venv/bin/python benchmarks/tpu_hbm.py --losses cutbce      # only CutBCE's cells
+    .venv/bin/python benchmarks/tpu_hbm.py --cells single --v 10000 --chips v5e --out mine.csv
     .venv/bin/python benchmarks/tpu_hbm.py --report-only        # re-plot and re-tabulate the CSV
+
+Each cell compiles `jax.value_and_grad` of `cut_bce(impl='pallas')` or of optax's BCE on the
+materialized logits with libtpu's compile-only client, one subprocess per cell, and appends XLA's
+per-chip memory analysis to results/tpu_hbm.csv; a program that does not fit is a result (status
+`oom`, with the HBM the compiler asks for). Then it writes results/tpu_hbm.md and .png. Cells,
+columns and times: benchmarks/README.md, 'HBM per TPU chip'.
 """
 
 from __future__ import annotations
@@ -39,6 +26,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
+if str(HERE.parent) not in sys.path:  # run as a script: `benchmarks.*` and the packages from the root
+    sys.path.insert(0, str(HERE.parent))
 
 LOSSES = ("cutbce", "dense")
 CHIPS = ("v5e", "v6e")
@@ -58,7 +47,8 @@ LAYOUTS = {
 }
 FIELDS = ("chip", "topology", "layout", "loss", "dtype", "N", "V", "table_rows", "D", "L", "status",
           "error", "seconds", "peak_bytes", "xla_peak_bytes", "argument_bytes", "output_bytes", "temp_bytes",
-          "alias_bytes", "code_bytes", "oom_needed_bytes", "git_sha", "kernels_sha", "command")
+          "alias_bytes", "code_bytes", "oom_needed_bytes", "git_sha", "kernels_sha", "command",
+          "host")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,13 +173,14 @@ def hbm_bytes(sizes: dict) -> int:
 
 
 def kernels_sha() -> str:
-    """The first 12 hex digits of a sha256 over the `jax_kernels/*.py` sources this process compiles:
+    """The first 12 hex digits of a sha256 over the `jax_kernels/**/*.py` sources this process compiles:
     names the kernels' version when the working tree differs from the commit in `git_sha`."""
     import jax_kernels
 
+    package = Path(jax_kernels.__file__).parent
     digest = hashlib.sha256()
-    for source in sorted(Path(jax_kernels.__file__).parent.glob("*.py")):
-        digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    for source in sorted(package.rglob("*.py")):
+        digest.update(source.relative_to(package).as_posix().encode() + b"\0" + source.read_bytes())
     return digest.hexdigest()[:12]
 
 
@@ -297,7 +288,7 @@ def markdown(rows: list[dict], command: str) -> str:
         "",
         f"Tables written by `{command}` from the rows of the CSV beside this file, made by:",
         "",
-        *(f"- `{c}` (git {sha}" + (f", `jax_kernels/*.py` sha256 {k}...): " if "cutbce" in losses else "): ")
+        *(f"- `{c}` (git {sha}" + (f", `jax_kernels` sources sha256 {k}...): " if "cutbce" in losses else "): ")
           + ", ".join(f"{losses.count(loss)} {loss} rows" for loss in LOSSES if loss in losses)
           for (c, sha, k), losses in sorted(runs.items())),
         "",
@@ -452,12 +443,12 @@ def main():
     from benchmarks import tpu_compile
 
     tpu_compile.require_overlay()
-    from tpu_compile_matrix import append_rows, git_sha
+    from benchmarks.provenance import append_rows, git_sha, machine
 
-    sha = git_sha()
+    sha, host = git_sha(), machine()
     with append_rows(args.out, FIELDS) as write:
         for cell in cells(args):
-            row = dict(run_cell(cell, args.timeout_s), git_sha=sha, command=command)
+            row = dict(run_cell(cell, args.timeout_s), git_sha=sha, command=command, host=host)
             write(row)
             peak = f"peak {_gib(row):.3f} GiB" if row.get("peak_bytes") else ""
             print(f"{cell.layout} {cell.chip} {cell.loss} {cell.dtype} V {cell.v} D {cell.d}: {row['status']} "

@@ -1,34 +1,15 @@
 """The whole PyTorch SASRec training step, compiled for TPU on a host without one: per-chip HBM.
 
-One cell = one training step of the examples' SASRec (examples/sasrec.py; forward, loss, backward,
-`torch.optim.Adam` step) with either CutBCE through the torch_xla bridge
-(`cut_bce_with_logits(..., backend="xla_pallas")`, the Pallas kernels) or `torch.nn.BCEWithLogitsLoss`
-on the dense `[B, T, V]` logits and a dense multi-hot target, as examples/train.py trains them
-(item bias, positions weighted by the batch's mask, mean over real positions and all V items).
-Each cell runs two subprocesses, because torch_xla runs on the CPU here while the compile needs libtpu:
-
-1. trace (torch_xla, `PJRT_DEVICE=CPU`, libtpu NOT on the path): the step is staged, never run.
-   Parameters and Adam's moments are placeholder tensors (no buffers: a V = 876,939 table costs
-   nothing here), the batch is real. `call_jax` would lower the bridge's JAX functions for JAX's
-   own backend (the CPU); `JaxCallable.specialize` is replaced by one that lowers for TPU, with
-   Mosaic pinned to version 7 (/work/shared/reference/TOOLCHAIN.md section 8). The graph that
-   `torch_xla.sync()` would cut after `optimizer.step()` (loss, updated parameters, Adam's moments,
-   and the `.grad`s, which are still alive at that sync in examples/train.py) is taken with
-   `_get_xla_tensors_hlo_proto` and written to a file, with which parameter each updated tensor
-   came from.
-2. compile (`.venv/libtpu-overlay` on PYTHONPATH): HLO -> StableHLO, each updated parameter and
-   moment aliased to its input (`tf.aliasing_output`, what torch_xla's parameter aliasing does when
-   it runs the step), compiled by the topology's compile-only client, and
-   `get_compiled_memory_stats()` recorded. For several chips the trace runs under torch_xla SPMD
-   (`CPU_NUM_DEVICES` virtual devices, the batch sharded along a "data" axis, everything else
-   replicated; the bridge runs its shard_map over the same mesh) and the compile partitions the
-   program over that many chips; the statistics are per chip.
-
-Peak per chip = argument + output - alias + temp + generated code bytes. Rows are appended to
-results/tpu_torch_step.csv; results/tpu_torch_step.md is rewritten from the whole CSV.
-
-    .venv/bin/python benchmarks/tpu_torch_step.py --dtypes float32 bfloat16    # every cell: 24 min here
+    .venv/bin/python benchmarks/tpu_torch_step.py --dtypes float32 bfloat16    # every cell
     .venv/bin/python benchmarks/tpu_torch_step.py --presets moderate --losses cutbce
+
+One cell is one step of examples/sasrec.py (forward, loss, backward, Adam) with CutBCE through the
+torch_xla bridge (`backend="xla_pallas"`) or BCEWithLogitsLoss on the dense `[B, T, V]` logits, as
+examples/train.py trains them. Two subprocesses per cell, as torch_xla runs on the CPU here while
+the compile needs libtpu: torch_xla stages the step, never runs it, with the bridge lowered for
+TPU; libtpu's compile-only client compiles the graph (docs/toolchain.md, 'The torch_xla step for
+TPU'). Rows go to results/tpu_torch_step.csv, results/tpu_torch_step.md is rewritten from it;
+what is measured and how: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -47,7 +28,7 @@ ROOT = HERE.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.tpu_compile_matrix import append_rows, git_sha  # noqa: E402
+from benchmarks.provenance import append_rows, git_sha, machine  # noqa: E402
 from benchmarks import tpu_compile  # noqa: E402
 
 # 'dense_unhinted' is 'dense' without the sharding hints on its [N, V] tensors; it differs only
@@ -56,9 +37,10 @@ LOSSES = ("cutbce", "dense", "dense_unhinted")
 FIELDS = ("chip", "topology", "chips", "loss", "dtype", "batch", "seq_len", "positions_per_chip", "V", "D",
           "L", "status", "error", "trace_seconds", "compile_seconds", "tpu_custom_calls", "argument_bytes",
           "output_bytes", "alias_bytes", "temp_bytes", "code_bytes", "peak_bytes", "git_sha", "source_hash",
-          "command")
+          "command", "host")
 # The code a row depends on, hashed per row: the working tree can change between two cells.
-SOURCES = ("jax_kernels/*.py", "torch_cutbce/*.py", "examples/sasrec.py", "examples/train.py", "benchmarks/tpu_torch_step.py")
+SOURCES = ("jax_kernels/**/*.py", "torch_cutbce/**/*.py", "examples/sasrec.py", "examples/train.py",
+           "benchmarks/tpu_torch_step.py")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -423,7 +405,7 @@ def main():
             tpu_compile.print_result(result)
             return
     tpu_compile.require_overlay()
-    sha = git_sha()
+    sha, host = git_sha(), machine()
     command = ".venv/bin/python benchmarks/tpu_torch_step.py " + " ".join(sys.argv[1:])
     with append_rows(args.out, FIELDS) as write:
         for preset in args.presets:
@@ -436,7 +418,7 @@ def main():
                         code = source_hash()
                         row = dict(run_cell(cell, args.timeout_s, args.xla_dump_to), git_sha=sha,
                                    source_hash=code if code == source_hash() else "changed during the cell",
-                                   command=command.strip())
+                                   command=command.strip(), host=host)
                         write(row)
                         print(f"{preset} {cell.chip} x{cell.chips} {dtype} {loss} B {cell.batch} T {cell.seq_len} "
                               f"V {cell.num_items}: {row['status']} peak {gib(row.get('peak_bytes'))} GiB "

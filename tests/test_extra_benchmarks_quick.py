@@ -1,5 +1,5 @@
 """The benchmark scripts run end to end (`bench.py --quick`, a tiny `headline.py`, a tiny
-`cpu_tile_isa.py`) and write their outputs.
+`cpu_tile_isa.py`) and write their outputs; `at_commit` imports a commit's packages beside today's.
 
 Numbers are not checked here (CI machines are noisy); benchmarks/README.md holds the measured ones.
 The quick preset times every provider at N=256, D=16, V in {1024, 4096} and measures peak memory
@@ -11,12 +11,16 @@ from __future__ import annotations
 import csv
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
 import pytest
 
-BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+in_git_checkout = pytest.mark.skipif(not (ROOT / ".git").exists() or shutil.which("git") is None,
+                                     reason="at_commit reads git history: not in an unpacked sdist")
 
 
 def _run(args, timeout=300):
@@ -37,7 +41,7 @@ def test_bench_quick_writes_table_csv_and_plots(tmp_path):
     providers = {r["provider"] for r in rows}
     assert {"dense_eager", "native", "jax_blocked", "xla_bridge", "xla_dense", "mm_floor"} <= providers
     for r in rows:
-        assert r["git_sha"] and r["machine"] and r["dtype"] == "float32", r
+        assert r["git_sha"] and r["machine"] and r["command"] and r["dtype"] == "float32", r
         assert r["status"] == "ok", r
         assert float(r["median_ms"]) > 0, r
     memory = [r for r in rows if r["peak_mib"]]
@@ -54,6 +58,7 @@ def test_headline_smoke(tmp_path):
     with (tmp_path / "headline.csv").open() as f:
         (row,) = list(csv.DictReader(f))
     assert float(row["steps_per_s"]) > 0 and float(row["loss_last"]) < float(row["loss_first"])
+    assert row["git_sha"] and row["machine"] and "headline.py" in row["command"], row
 
 
 @pytest.mark.parametrize("isa", ["native", "avx2"])
@@ -65,3 +70,48 @@ def test_cpu_tile_isa_smoke(isa, tmp_path):
     for variant in ("native[c_kernel]", "native[compiled]", "native[eager]", "mm_floor", "dense_eager"):
         assert variant in text
     assert "ISA run: " + ("AVX2 (capped" if isa == "avx2" else "") in text and "commit" in text
+
+
+@in_git_checkout
+def test_at_commit_imports_a_commit_beside_the_working_tree():
+    from benchmarks import at_commit
+
+    sha = at_commit.resolve("HEAD")
+    with at_commit.Snapshot("HEAD") as old:
+        shapes = old.module("jax_kernels.neutral.shapes")  # plain Python: imports no framework
+        assert shapes.__name__ == f"jax_kernels_at_{sha[:7]}.neutral.shapes"
+        assert pathlib.Path(shapes.__file__).is_relative_to(old.path)
+        assert old.name("torch_cutbce.native") == f"torch_cutbce_at_{sha[:7]}.native"
+        folder = old.path
+    assert not folder.exists() and shapes.__name__ not in sys.modules
+    import jax_kernels.neutral.shapes as today
+
+    assert pathlib.Path(today.__file__).is_relative_to(ROOT)
+    with pytest.raises(ValueError, match="commit="):
+        at_commit.resolve("no-such-revision")
+
+
+@in_git_checkout
+def test_at_commit_runs_a_command_on_a_commits_packages(tmp_path):
+    probe = "import os, jax_kernels; print(jax_kernels.__file__); print(os.environ['CUTBCE_LIBRARY_AT_COMMIT'])"
+    done = subprocess.run([sys.executable, BENCHMARKS / "at_commit.py", "HEAD", "--", sys.executable, "-c", probe],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    package, commit = done.stdout.split()
+    assert not pathlib.Path(package).is_relative_to(ROOT), package  # the commit's copy, not the tree's
+    assert subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.startswith(commit)
+
+
+@in_git_checkout
+@pytest.mark.parametrize("commit, modules", [("9e6b519", ("torch_cutbce/native.py", "jax_kernels/blocked.py")),
+                                             ("c6712c3", ("torch_cutbce/native.py", "jax_kernels/core.py"))])
+def test_the_ablations_before_commits_hold_their_engines(commit, modules, tmp_path):
+    """ablation.py and ablation_exact_rows.py time these commits' engines as their "before" rows."""
+    from benchmarks import at_commit
+
+    if subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=ROOT).returncode:
+        pytest.skip(f"a shallow clone: {commit} is not fetched")
+    at_commit.materialise(commit, tmp_path)
+    for module in modules:
+        assert (tmp_path / module).is_file(), module

@@ -1,14 +1,10 @@
 """`full_catalog_topk`: the k best items of every position over the whole catalog, in vocabulary tiles.
 
-Full-catalog evaluation (HR@K, NDCG@K) needs the top-k of `hidden @ item_weight.T + bias`, a
-`[N, V]` score matrix that is as large as the logits the loss avoids (at V = 1e7 and N = 256 it is
-10 GiB in float32). This scores one `[N, block_v]` tile at a time and keeps a running top-k, so the
-extra memory is O(N x (block_v + k)) whatever V is.
-
-Ties are broken deterministically: among equal scores the lower item id ranks first (torch.topk
-makes no promise about ties, and untrained models or count-based baselines produce many). The
-result is therefore exactly the first k columns of a stable descending sort of the full score
-matrix. The selection uses masks and fixed shapes only (no `nonzero`), so it also runs on XLA.
+Full-catalog evaluation (HR@K, NDCG@K) needs the top-k of `hidden @ item_weight.T + bias`, an
+`[N, V]` matrix as large as the logits the loss avoids. This scores one `[N, block_v]` tile at a
+time and keeps a running top-k: O(N x (block_v + k)) extra memory whatever V is. Among equal scores
+the lower item id ranks first (untrained models produce many ties; torch.topk promises nothing),
+and the selection uses masks and fixed shapes only, so it also runs on XLA.
 """
 
 from __future__ import annotations

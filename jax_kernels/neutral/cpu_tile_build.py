@@ -1,17 +1,11 @@
-"""Compiles the CPU tile kernel (`cpu_tile.c`, or its XLA FFI wrapper `cpu_tile_ffi.cc`) once per
-machine and loads it; framework-neutral (torch calls the C library through ctypes, JAX the FFI one).
+"""Builds the CPU tile kernel (`cpu_tile.c`, or its XLA FFI wrapper `cpu_tile_ffi.cc`) once per machine.
 
-The library is built for the machine it runs on (`-march=native`: AVX-512 where the CPU has it)
-and cached under `$TORCH_CUTBCE_CACHE_DIR` (default `~/.cache/torch_cutbce`), keyed by the
-sources, the flags, the compiler's version and the CPU's feature flags, so a different machine or
-compiler builds its own. The build writes a temporary file and renames it, so processes racing
-for the same key are safe. `TORCH_CUTBCE_NO_COMPILE=1` switches it off (as it does torch.compile);
-callers then use their portable tiles.
-
-A cached library is checked before it is loaded, since loading a damaged one can kill the process
-(SIGBUS/SIGSEGV inside dlopen): its SHA-256, written beside it at build time (`<name>.so.sha256`),
-must match, else it is built again; a loaded library must have every symbol the caller needs. Any
-failure is a BuildError, which the callers turn into one warning and their portable tiles.
+Framework-neutral: torch loads the C library through ctypes, JAX the FFI one. Each library is built
+for the CPU it runs on and cached, keyed by sources, flags, compiler and CPU; a cached one is loaded
+only if it matches its recorded SHA-256 and has its symbols, since a damaged library can kill the
+process inside dlopen. Any failure is a BuildError, which the callers turn into one warning and
+their portable tiles. Compiler, flags, cache and switches: docs/toolchain.md, 'The CPU tile
+kernel's build'.
 """
 
 from __future__ import annotations
