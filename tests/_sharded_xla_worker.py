@@ -55,6 +55,15 @@ CASES = {
 COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(-start)?\(")
 
 
+def _options(compute_metrics, mesh=None, vocab_axis=None, data_axis=None):
+    """The engines' `CutBCEOptions`: `BLOCK_V` tiles, the blocked JAX loop behind the bridge."""
+    from jax_kernels.neutral.options import CutBCEOptions
+    from torch_cutbce.arguments import mesh_layout
+
+    return CutBCEOptions(block_v=BLOCK_V, compute_metrics=compute_metrics, impl="blocked",
+                         **mesh_layout(mesh, vocab_axis, data_axis))
+
+
 # ---- the measurements ------------------------------------------------------------------------
 
 
@@ -77,9 +86,7 @@ def _native(inputs):
     from torch_cutbce import ops
 
     h, e, b = (inputs[k].clone().requires_grad_(True) for k in ("hidden", "item_weight", "bias"))
-    rows, counts = ops.rows(
-        h, e, b, inputs["class_weight"], inputs["pos_weight"], inputs["targets"], block_v=BLOCK_V, compute_metrics=True
-    )
+    rows, counts = ops.rows(h, e, b, inputs["class_weight"], inputs["pos_weight"], inputs["targets"], _options(True))
     (rows * inputs["upstream"]).sum().backward()
     return {"rows": rows.detach(), "counts": counts, "d_hidden": h.grad, "d_item_weight": e.grad, "d_bias": b.grad}
 
@@ -106,8 +113,7 @@ def _plain_rows(t, mesh):
     from torch_cutbce import xla_bridge
 
     return xla_bridge.cut_bce_rows(
-        t["hidden"], t["item_weight"], t["bias"], t["class_weight"], t["pos_weight"], t["targets"],
-        block_v=BLOCK_V, compute_metrics=True, backend="xla_blocked",
+        t["hidden"], t["item_weight"], t["bias"], t["class_weight"], t["pos_weight"], t["targets"], _options(True),
     )
 
 
@@ -177,12 +183,12 @@ def _train(device, rows_fn, mesh=None, steps=5):
 def _native_rows(hidden, item_weight, bias, targets, mesh):
     from torch_cutbce import ops
 
-    return ops.rows(hidden, item_weight, bias, None, None, targets, block_v=BLOCK_V, compute_metrics=False)
+    return ops.rows(hidden, item_weight, bias, None, None, targets, _options(False))
 
 
 def _sharded_rows(hidden, item_weight, bias, targets, mesh):
-    return xla_bridge.cut_bce_rows(hidden, item_weight, bias, None, None, targets, mesh=mesh, vocab_axis="model",
-                                data_axis="data", block_v=BLOCK_V, compute_metrics=False, backend="xla_blocked")
+    return xla_bridge.cut_bce_rows(hidden, item_weight, bias, None, None, targets,
+                                   _options(False, mesh, vocab_axis="model", data_axis="data"))
 
 
 def _measure_training(dump_dir):
@@ -202,14 +208,13 @@ def _measure_without_bias(inputs):
     from torch_cutbce import ops
 
     h = inputs["hidden"].clone().requires_grad_(True)
-    rows, _ = ops.rows(h, inputs["item_weight"], None, None, None, inputs["targets"], block_v=BLOCK_V,
-                       compute_metrics=False)
+    rows, _ = ops.rows(h, inputs["item_weight"], None, None, None, inputs["targets"], _options(False))
     (rows * inputs["upstream"]).sum().backward()
     mesh = xs.Mesh(np.arange(4), (2, 2), ("data", "model"))
     hx = inputs["hidden"].to(torch_xla.device()).requires_grad_(True)
     rows_x, _ = xla_bridge.cut_bce_rows(
-        hx, inputs["item_weight"].to(hx.device), None, None, None, inputs["targets"].to(hx.device), mesh=mesh,
-        vocab_axis="model", data_axis="data", block_v=BLOCK_V, compute_metrics=False, backend="xla_blocked",
+        hx, inputs["item_weight"].to(hx.device), None, None, None, inputs["targets"].to(hx.device),
+        _options(False, mesh, vocab_axis="model", data_axis="data"),
     )
     (rows_x * inputs["upstream"].to(hx.device)).sum().backward()
     torch_xla.sync()
@@ -269,8 +274,7 @@ def main(out_path: str, dump_dir: str) -> None:
         def rows_fn(t, mesh, vocab_axis=vocab_axis, data_axis=data_axis):
             return xla_bridge.cut_bce_rows(
                 t["hidden"], t["item_weight"], t["bias"], t["class_weight"], t["pos_weight"], t["targets"],
-                mesh=mesh, vocab_axis=vocab_axis, data_axis=data_axis, block_v=BLOCK_V, compute_metrics=True,
-                backend="xla_blocked",
+                _options(True, mesh, vocab_axis=vocab_axis, data_axis=data_axis),
             )
 
         shards = mesh_shape[axis_names.index(vocab_axis)]

@@ -7,9 +7,10 @@ torch has (devices, requires_grad, autocast).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from jax_kernels.neutral.shapes import ArraySpec, check_arguments, check_largest_id
+from jax_kernels.neutral.shapes import AxisName, ArraySpec, check_arguments, check_largest_id, check_mesh_axes
 
 BACKENDS = ("auto", "native", "dense", "xla", "xla_blocked", "xla_pallas")
 
@@ -35,9 +36,20 @@ def check_backend(backend) -> None:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
-def check_parallel_options(backend: str, mesh, vocab_parallel) -> None:
-    """`mesh=` needs the torch_xla bridge and `vocab_parallel=` the native engine; 'auto' passes (the
-    tensors decide). The module checks this when built, the function on the resolved backend."""
+def check_parallel_options(backend: str, mesh, vocab_parallel, vocab_axis: AxisName = None,
+                           data_axis: AxisName = None) -> None:
+    """`mesh=` needs the torch_xla bridge and a mesh whose axes `vocab_axis` / `data_axis` name,
+    `vocab_parallel=` a `VocabParallelOptions` and the native engine, and they exclude each other;
+    'auto' passes (the tensors decide). The module checks this when built, the function on the
+    resolved backend: one rule, one message."""
+    if vocab_parallel is not None:
+        from torch_cutbce.vocab_parallel import VocabParallelOptions  # here: it imports the ops, they this module
+
+        if not isinstance(vocab_parallel, VocabParallelOptions):
+            raise TypeError(
+                f"vocab_parallel must be a VocabParallelOptions or None, got {type(vocab_parallel).__name__}")
+    if mesh is not None and vocab_parallel is not None:
+        raise ValueError("mesh= (torch_xla SPMD) and vocab_parallel= (torch.distributed ranks) exclude each other")
     if mesh is not None and backend not in ("auto", "xla", "xla_blocked", "xla_pallas"):
         raise ValueError(
             f"mesh= runs under torch_xla SPMD and needs XLA tensors, got backend={backend!r}; "
@@ -45,6 +57,23 @@ def check_parallel_options(backend: str, mesh, vocab_parallel) -> None:
         )
     if vocab_parallel is not None and backend not in ("auto", "native"):
         raise ValueError(f"vocab_parallel= runs the native engine on CPU/CUDA tensors, got backend={backend!r}")
+    if mesh is not None:
+        if not hasattr(mesh, "axis_names"):
+            raise TypeError(f"mesh must be a torch_xla.distributed.spmd.Mesh, got {type(mesh).__name__}")
+        check_mesh_axes(mesh.axis_names, vocab_axis, data_axis)
+
+
+def mesh_layout(mesh, vocab_axis: AxisName, data_axis: AxisName) -> dict:
+    """A torch_xla SPMD mesh as `CutBCEOptions` fields (`mesh_shape`, `mesh_axes`, `vocab_axis`,
+    `data_axis`); no fields for None. Its device ids must be 0..n-1 in order: the JAX side lowers
+    over an AbstractMesh of the same shape and axis names (row-major logical ids)."""
+    if mesh is None:
+        return {}
+    device_ids = np.asarray(mesh.device_ids).ravel()
+    if not np.array_equal(device_ids, np.arange(device_ids.size)):
+        raise ValueError(f"mesh.device_ids must be 0..n-1 in order, got {mesh.device_ids}")
+    return dict(mesh_shape=tuple(int(s) for s in mesh.mesh_shape), mesh_axes=tuple(mesh.axis_names),
+                vocab_axis=vocab_axis, data_axis=data_axis)
 
 
 def resolve_backend(backend: str, hidden: torch.Tensor) -> str:
@@ -54,7 +83,9 @@ def resolve_backend(backend: str, hidden: torch.Tensor) -> str:
     return backend
 
 
-def check_devices(tensors: dict[str, torch.Tensor | None], backend: str) -> None:
+def check_devices(tensors: dict[str, torch.Tensor | None], backend: str, on_xla: bool | None) -> None:
+    """One device for every tensor, and the one the engine runs on (`engines.Engine.on_xla`:
+    True XLA tensors only, False CPU/CUDA only, None any)."""
     device = tensors["hidden"].device
     for name, t in tensors.items():
         if t is not None and t.device != device:
@@ -62,11 +93,11 @@ def check_devices(tensors: dict[str, torch.Tensor | None], backend: str) -> None
                 f"{name} is on {t.device} but hidden is on {device}: all tensors must be on one device "
                 f"(move them with .to(hidden.device))"
             )
-    on_xla = device.type == "xla"
-    if backend.startswith("xla") and not on_xla:
+    is_xla = device.type == "xla"
+    if on_xla is True and not is_xla:
         raise ValueError(f"backend={backend!r} needs tensors on an XLA device (torch_xla), got {device}")
-    if backend == "native" and on_xla:
-        raise ValueError("backend='native' runs on CPU/CUDA tensors; XLA tensors use backend='auto' or 'xla'")
+    if on_xla is False and is_xla:
+        raise ValueError(f"backend={backend!r} runs on CPU/CUDA tensors; XLA tensors use backend='auto' or 'xla'")
 
 
 def check_constant(name: str, t: torch.Tensor | None) -> None:

@@ -1,27 +1,28 @@
-"""`cut_bce_with_logits`: validation, dispatch to a backend, position weight, reduction, metrics."""
+"""`cut_bce_with_logits`: validation, the options and the engine (decided once), position weight,
+reduction, metrics."""
 
 from __future__ import annotations
 
 import torch
 
 from jax_kernels.neutral.focal import Focal, check_focal
-from jax_kernels.neutral.shapes import reduction_divisor, tile_width
-from torch_cutbce import arguments, ops
+from jax_kernels.neutral.options import CutBCEOptions
+from jax_kernels.neutral.shapes import reduction_divisor
+from torch_cutbce import arguments, engines
 from torch_cutbce.arguments import BACKENDS  # noqa: F401  (re-exported by torch_cutbce)
 from torch_cutbce.metrics import CutBCEMetrics
-from torch_cutbce.positives import accumulation_dtype
-from torch_cutbce.reduction import reduce_rows, weighted_count_sums
-from torch_cutbce.reference import dense_bce_with_logits
-from torch_cutbce.vocab_parallel import VocabParallelOptions, vocab_parallel_loss, vocab_parallel_rows
+from torch_cutbce.reduction import reduce_rows
+from torch_cutbce.vocab_parallel import VocabParallelOptions
+
 
 def _padded_positions_dropped(hidden, targets, weight, num_items):
     """Indices of the positions to compute, or None for all of them.
 
     A position whose weight is 0 and that has no valid target id contributes exactly 0 to the loss
-    and to every gradient, so the eager native path drops it before the tiles (padded positions,
-    often most of a batch of short sequences). Not when weight itself needs a gradient (its gradient
-    is the row's loss), nor under torch.compile (a data-dependent shape). On CUDA the selection
-    reads one count back to the host.
+    and to every gradient, so an engine that declares it (`Engine.drops_padded_positions`: native)
+    has it dropped before the tiles (padded positions, often most of a batch of short sequences).
+    Not when weight itself needs a gradient (its gradient is the row's loss), nor under
+    torch.compile (a data-dependent shape). On CUDA the selection reads one count back to the host.
     """
     if weight is None or (weight.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
         return None
@@ -29,33 +30,6 @@ def _padded_positions_dropped(hidden, targets, weight, num_items):
     if bool(keep.all()):
         return None
     return keep.nonzero().squeeze(-1)
-
-
-def _native(flat, weight, *, reduction, n, num_items, block_v, return_metrics, focal):
-    """The native engine on `[N, D]` / `[N, L]` inputs: the loss (and counts), padded positions dropped.
-    `block_v`: the user's tile width, or None for the default."""
-    hidden, item_weight, bias, class_weight, pos_weight, targets = flat
-    w = None if weight is None else weight.reshape(n)
-    kept = _padded_positions_dropped(hidden, targets, w, num_items)
-    if kept is not None:
-        hidden, targets = hidden.index_select(0, kept), targets.index_select(0, kept)
-        w = w.index_select(0, kept)
-    # The default tile is sized for the rows that reach the tiles (fewer rows: wider tiles).
-    block_v = tile_width(block_v, hidden.shape[0], num_items)
-    if reduction != "none" and n > 0:
-        # Gradients computed during the forward (native.loss_and_grads); weight and reduction inside.
-        loss, counts = ops.loss(hidden, item_weight, bias, w, class_weight, pos_weight, targets,
-                                divisor=reduction_divisor(reduction, n, num_items), block_v=block_v,
-                                compute_metrics=return_metrics, focal=focal)
-        return loss, (CutBCEMetrics(*counts) if return_metrics else None)
-    # Also N = 0 with 'sum'/'mean': reduce_rows gives 0 / 0 = nan for 'mean' (as torch) and the
-    # rows' backward zero gradients.
-    rows, counts = ops.rows(hidden, item_weight, bias, class_weight, pos_weight, targets, block_v=block_v,
-                            compute_metrics=return_metrics, focal=focal)
-    if kept is not None:  # dropped positions: rows and counts 0
-        rows = rows.new_zeros(n).index_copy(0, kept, rows)
-        counts = counts.new_zeros((counts.shape[0], n)).index_copy(1, kept, counts)
-    return rows, counts
 
 
 def cut_bce_with_logits(
@@ -126,74 +100,47 @@ def cut_bce_with_logits(
       gradients are not differentiable again (double backward raises a RuntimeError).
     """
     size = arguments.check(hidden, item_weight, targets, bias, weight, class_weight, pos_weight,
-                              reduction=reduction, block_v=block_v)
+                           reduction=reduction, block_v=block_v)
     backend = arguments.resolve_backend(backend, hidden)
     focal = check_focal(focal)
-    arguments.check_parallel_options(backend, mesh, vocab_parallel)  # on the resolved backend
+    arguments.check_parallel_options(backend, mesh, vocab_parallel, vocab_axis, data_axis)  # on the resolved backend
+    engine = engines.select(backend, vocab_parallel)
     arguments.check_devices(
         dict(hidden=hidden, item_weight=item_weight, targets=targets, bias=bias, weight=weight,
              class_weight=class_weight, pos_weight=pos_weight),
-        backend,
+        backend, engine.on_xla,
     )
     arguments.check_constant("class_weight", class_weight)
     arguments.check_constant("pos_weight", pos_weight)
     hidden, item_weight, bias = arguments.matmul_dtype_inputs(hidden, item_weight, bias)
-    if backend == "dense":
-        arguments.check_ids_below_vocab(targets, size.num_items)
-        return dense_bce_with_logits(
-            hidden, item_weight, targets, bias, weight=weight, class_weight=class_weight,
-            pos_weight=pos_weight, reduction=reduction, return_metrics=return_metrics, focal=focal,
-        )
     n = size.num_positions
-    flat = (hidden.reshape(n, size.hidden_size), item_weight, bias, class_weight, pos_weight,
-            targets.reshape(n, size.num_slots))
-    if vocab_parallel is not None:
-        block_v = tile_width(size.block_v, n, size.num_items)
-        if reduction != "none" and n > 0:  # one pass: each rank's gradients computed in its forward
-            hidden_2d, item_weight, bias, class_weight, pos_weight, targets_2d = flat
-            loss, counts = vocab_parallel_loss(
-                hidden_2d, item_weight, bias, None if weight is None else weight.reshape(n), class_weight,
-                pos_weight, targets_2d, options=vocab_parallel, compute_metrics=return_metrics, focal=focal,
-                divisor=reduction_divisor(reduction, n, vocab_parallel.num_items), block_v=block_v)
-            return (loss, CutBCEMetrics(*counts)) if return_metrics else loss
-        rows, counts = vocab_parallel_rows(*flat, options=vocab_parallel, compute_metrics=return_metrics,
-                                           focal=focal, block_v=block_v)
-        return reduce_rows(rows, counts, weight, reduction, size.lead_shape, vocab_parallel.num_items,
-                           return_metrics)
-    if backend == "native":
-        out, counts = _native(flat, weight, reduction=reduction, n=n, num_items=size.num_items, focal=focal,
-                              block_v=size.block_v, return_metrics=return_metrics)
-        if reduction != "none" and n > 0:
-            return (out, counts) if return_metrics else out
-        rows = out
-    else:
-        from torch_cutbce import xla_bridge  # the one module that imports torch_xla and jax
-
-        block_v = tile_width(size.block_v, n, size.num_items)
-        if reduction != "none" and n > 0:
-            return _xla_one_pass(flat, weight, reduction=reduction, n=n, num_items=size.num_items,
-                                 block_v=block_v, return_metrics=return_metrics, backend=backend, focal=focal,
-                                 mesh=mesh, vocab_axis=vocab_axis, data_axis=data_axis)
-        rows, counts = xla_bridge.cut_bce_rows(
-            *flat, block_v=block_v, compute_metrics=return_metrics, backend=backend,
-            mesh=mesh, vocab_axis=vocab_axis, data_axis=data_axis, focal=focal,
-        )
-    return reduce_rows(rows, counts, weight, reduction, size.lead_shape, size.num_items, return_metrics)
-
-
-def _xla_one_pass(flat, weight, *, reduction, n, num_items, block_v, return_metrics, backend, focal,
-                  mesh, vocab_axis, data_axis):
-    """'sum' / 'mean' through the bridge with the gradients computed in the forward (one pass), on
-    one device or under an SPMD mesh."""
-    from torch_cutbce import xla_bridge
-
-    hidden = flat[0]
-    acc = accumulation_dtype(hidden.dtype)
-    w = torch.ones(n, dtype=acc, device=hidden.device) if weight is None else weight.reshape(n).to(acc)
-    row_weight = w / reduction_divisor(reduction, n, num_items)
-    loss, counts = xla_bridge.cut_bce_weighted_sum(
-        *flat, row_weight, block_v=block_v, compute_metrics=return_metrics, backend=backend,
-        mesh=mesh, vocab_axis=vocab_axis, data_axis=data_axis, focal=focal)
-    if not return_metrics:
-        return loss
-    return loss, CutBCEMetrics(*weighted_count_sums(counts, weight))
+    num_items = size.num_items if vocab_parallel is None else vocab_parallel.num_items  # the global V
+    hidden, targets = hidden.reshape(n, size.hidden_size), targets.reshape(n, size.num_slots)
+    w = None if weight is None else weight.reshape(n)
+    kept = None
+    if engine.drops_padded_positions:
+        kept = _padded_positions_dropped(hidden, targets, w, size.num_items)
+    if kept is not None:
+        hidden, targets, w = (x.index_select(0, kept) for x in (hidden, targets, w))
+    # Static choices only (the engines size the tile for the rows they see, `shapes.tile_width`):
+    # the same options for every N, so torch.compile with dynamic shapes does not recompile per N.
+    options = CutBCEOptions(
+        block_v=size.block_v,
+        compute_metrics=return_metrics,
+        focal=focal,
+        impl=engine.impl,
+        **(arguments.mesh_layout(mesh, vocab_axis, data_axis) if engine.takes_mesh else {}),
+        **({} if vocab_parallel is None else dict(offset=vocab_parallel.start, id_limit=vocab_parallel.num_items)),
+    )
+    flat = (hidden, item_weight, bias, class_weight, pos_weight, targets)
+    if reduction != "none" and n > 0:  # one pass: the gradients computed in the forward
+        divisor = reduction_divisor(reduction, n, num_items)
+        loss, counts = engine.weighted_sum(flat, w, divisor, options, vocab_parallel)
+        return (loss, CutBCEMetrics(*counts)) if return_metrics else loss
+    # Also N = 0 with 'sum'/'mean': reduce_rows gives 0 / 0 = nan for 'mean' (as torch) and the
+    # rows' backward zero gradients.
+    rows, counts = engine.rows(flat, options, vocab_parallel)
+    if kept is not None:  # dropped positions: rows and counts 0
+        rows = rows.new_zeros(n).index_copy(0, kept, rows)
+        counts = counts.new_zeros((counts.shape[0], n)).index_copy(1, kept, counts)
+    return reduce_rows(rows, counts, weight, reduction, size.lead_shape, num_items, return_metrics)

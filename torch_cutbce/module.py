@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from jax_kernels.neutral.focal import Focal, check_focal
-from jax_kernels.neutral.shapes import AxisName, check_block_v, check_mesh_axes, check_reduction
+from jax_kernels.neutral.shapes import AxisName, check_block_v, check_reduction
 from torch_cutbce.arguments import check_backend, check_parallel_options
 from torch_cutbce.functional import cut_bce_with_logits
 from torch_cutbce.vocab_parallel import VocabParallelOptions
@@ -41,18 +41,11 @@ class CutBCEWithLogitsLoss(nn.Module):
         vocab_parallel: VocabParallelOptions | None = None,
     ):
         super().__init__()
-        # Checked here too, so a bad option fails where it is written, not at the first step.
+        # Checked here too, so a bad option fails where it is written, not at the first step: by
+        # the function's own rules (shapes, arguments, focal), so with its messages.
         check_reduction(reduction)
         check_backend(backend)
-        if vocab_parallel is not None and not isinstance(vocab_parallel, VocabParallelOptions):
-            raise TypeError(f"vocab_parallel must be a VocabParallelOptions or None, got {type(vocab_parallel).__name__}")
-        if mesh is not None and vocab_parallel is not None:
-            raise ValueError("mesh= (torch_xla SPMD) and vocab_parallel= (torch.distributed ranks) exclude each other")
-        check_parallel_options(backend, mesh, vocab_parallel)
-        if mesh is not None:
-            if not hasattr(mesh, "axis_names"):
-                raise TypeError(f"mesh must be a torch_xla.distributed.spmd.Mesh, got {type(mesh).__name__}")
-            check_mesh_axes(mesh.axis_names, vocab_axis, data_axis)
+        check_parallel_options(backend, mesh, vocab_parallel, vocab_axis, data_axis)
         self.reduction = reduction
         self.block_v = check_block_v(block_v)
         self.backend = backend

@@ -9,8 +9,9 @@ positive gets its own exact terms afterwards (`positives.positive_terms`, O(N L)
   upstream g[n], their gradients (each logits tile recomputed).
 - `loss_and_grads`: the 'sum' / 'mean' loss with its gradients computed in the same pass.
 
-Each takes `focal` (a `jax_kernels.neutral.focal.Focal`, or None for plain BCE): focal tile functions for
-the negatives, focal terms for the positives.
+Each takes the call's `jax_kernels.neutral.options.CutBCEOptions` (tile width, metrics, focal, the
+vocabulary-parallel offset): with `options.focal`, focal tile functions for the negatives and focal
+terms for the positives. The tile is sized here, for the rows that reach the tiles (`_tile_width`).
 
 How torch sees these functions (custom ops, autograd, torch.compile) is `ops.py`'s job.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from jax_kernels.neutral.shapes import tile_width
 from torch_cutbce import fused_tile, positives
 from torch_cutbce.reduction import weighted_count_sums  # the counts tail, shared with the entries
 
@@ -27,6 +29,11 @@ def _row_sums(n: int, device) -> torch.Tensor:
     """Where each row's loss is summed over the tiles: float64, so that a row's sum over any V is as
     exact as one tile's (a float32 running sum over 4096 tiles drifts by about 1e-4); O(N)."""
     return torch.zeros(n, dtype=torch.float64, device=device)
+
+
+def _tile_width(options, hidden, item_weight) -> int:
+    """`options.block_v`, or a default sized for these rows (fewer rows: wider tiles); at most V."""
+    return tile_width(options.block_v, hidden.shape[0], item_weight.shape[0])
 
 
 def _tiles(num_items: int, block_v: int):
@@ -89,7 +96,7 @@ class _NegativeTerms:
     def __init__(self, class_weight, focal, num_items, dtype, device):
         self.gamma = None
         if focal is not None and focal.gamma != 0.0:
-            self.gamma = torch.tensor(focal.gamma, dtype=dtype, device=device)
+            self.gamma = focal.gamma  # a float: fused_tile makes the compiled tiles' operand
         scale = 1.0 if focal is None else focal.negative_scale
         self.class_weight = class_weight
         if scale != 1.0:
@@ -127,20 +134,22 @@ def _grad_buffers(h, item_weight, bias, need_h, need_items, need_bias):
     )
 
 
-def rows_forward(hidden, item_weight, bias, class_weight, pos_weight, targets, block_v, compute_metrics, offset=0,
-                 focal=None):
+def rows_forward(hidden, item_weight, bias, class_weight, pos_weight, targets, options):
     """Per-position rows (weight 1) over the table's items `[offset, offset + V)`.
 
     `targets [N, L]` are global ids; ids outside the table's range are ignored like padding
-    (vocab-parallel ranks pass their slice's start as `offset`).
+    (vocab-parallel ranks pass their slice's start as `options.offset`). Reads `options.block_v`,
+    `compute_metrics`, `offset` and `focal`.
 
     Returns:
       `rows` `[N]`, `counts` `[4, N]` TP/FP/FN/TN (`[0, N]` without `compute_metrics`), and what the
       backward needs: each positive's logit `[N, L]` and the local positive ids `[N, L]`.
     """
+    block_v, compute_metrics, focal = _tile_width(options, hidden, item_weight), options.compute_metrics, \
+        options.focal
     acc = positives.accumulation_dtype(hidden.dtype)
     n, num_items = hidden.shape[0], item_weight.shape[0]
-    ids = positives.positive_ids(targets, num_items, offset)
+    ids = positives.positive_ids(targets, num_items, options.offset)
     h = hidden.to(acc)
     rows = _row_sums(n, hidden.device)
     false_positives = torch.zeros(n, dtype=torch.float32, device=hidden.device)
@@ -159,9 +168,11 @@ def rows_forward(hidden, item_weight, bias, class_weight, pos_weight, targets, b
     return rows.to(acc), counts, logits, ids
 
 
-def rows_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, logits, g, block_v, need, focal=None):
+def rows_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, logits, g, need, options):
     """Gradients of `sum_n g[n] rows[n]`: `(d_hidden, d_items, d_bias)` in the accumulation dtype,
-    None where `need` (three bools) says no. Recomputes every logits tile (a fourth matmul per tile)."""
+    None where `need` (three bools) says no. Recomputes every logits tile (a fourth matmul per tile).
+    Reads `options.block_v` and `focal`."""
+    block_v, focal = _tile_width(options, hidden, item_weight), options.focal
     h = hidden.to(positives.accumulation_dtype(hidden.dtype))
     g = g.to(h.dtype)
     g_column = g.unsqueeze(-1).clone()  # not a view: the compiled tile functions take it as is
@@ -178,9 +189,10 @@ def rows_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, logi
     return d_hidden, d_items, d_bias
 
 
-def loss_and_grads(hidden, item_weight, bias, weight, class_weight, pos_weight, targets, divisor, block_v,
-                   compute_metrics, need, focal=None, offset=0):
+def loss_and_grads(hidden, item_weight, bias, weight, class_weight, pos_weight, targets, divisor, need, options):
     """The 'sum' / 'mean' loss `sum_n weight[n] rows[n] / divisor` and its gradients, in one pass.
+
+    Reads `options.block_v`, `compute_metrics`, `offset` and `focal`.
 
     The row gradient `g[n] = weight[n] / divisor` is known before the forward, so each logits tile
     serves the loss, `d_hidden += dz @ items` and `d_items[tile] = dz.T @ h` (3 matmuls per tile,
@@ -191,9 +203,11 @@ def loss_and_grads(hidden, item_weight, bias, weight, class_weight, pos_weight, 
       `weight` and summed; gradients (for an upstream 1) in the accumulation dtype, None where `need`
       (three bools) says no.
     """
+    block_v, compute_metrics, focal = _tile_width(options, hidden, item_weight), options.compute_metrics, \
+        options.focal
     acc = positives.accumulation_dtype(hidden.dtype)
     num_items, n = item_weight.shape[0], hidden.shape[0]
-    ids = positives.positive_ids(targets, num_items, offset)  # global ids -> the table's (as rows_forward)
+    ids = positives.positive_ids(targets, num_items, options.offset)  # global ids -> the table's (as rows_forward)
     h = hidden.to(acc)
     # A tensor division: 'mean' over zero positions divides by 0 and gives nan, as torch does.
     divisor = torch.tensor(divisor, dtype=acc)

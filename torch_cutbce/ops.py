@@ -7,6 +7,10 @@ run inside the op, where a CPU tensor's values are at hand and a CUDA one gets a
 assert, so no check outside costs a sync. Autocast is switched off inside: the entry has already
 applied autocast's rule to the inputs, and the tiles must stay in the accumulation dtype.
 
+Every op takes its tensors plus one `options: str`, a `CutBCEOptions.encode()` string (tile width,
+metrics, focal, offset, id limit): adding an option never changes a schema. What varies per call
+travels beside it: which gradients are wanted (`need: list[bool]`) and the one-pass `divisor`.
+
     rows(...)  -> (rows [N], counts [4, N] or [0, N])       reduction='none'; vocab-parallel ranks
     loss(...)  -> (loss [], counts [4] or [0])              'sum' / 'mean', gradients in the forward
 """
@@ -16,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from jax_kernels.neutral.focal import from_args as _focal, to_args as _focal_args  # custom ops take plain values
+from jax_kernels.neutral.options import CutBCEOptions, decode
 from torch_cutbce import native, positives
 from torch_cutbce.arguments import check_ids_below_vocab
 
@@ -41,81 +45,76 @@ def _cast(grad: Tensor, dtype: torch.dtype) -> Tensor:
     return grad.to(dtype)
 
 
+def _check_ids(targets: Tensor, item_weight: Tensor, options: CutBCEOptions) -> None:
+    """ids >= `options.id_limit` (default: the table's V) raise (CPU) or assert (CUDA)."""
+    check_ids_below_vocab(targets, item_weight.shape[0] if options.id_limit is None else options.id_limit)
+
+
 # -- reduction='none': rows, and a backward that recomputes the tiles ---------------------------------
 
 
 @torch.library.custom_op("torch_cutbce::rows", mutates_args=())
 def _rows(hidden: Tensor, item_weight: Tensor, bias: Tensor | None, class_weight: Tensor | None,
-          pos_weight: Tensor | None, targets: Tensor, block_v: int, compute_metrics: bool, offset: int,
-          id_limit: int, gamma: float, alpha: float, balancing: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    check_ids_below_vocab(targets, id_limit)
+          pos_weight: Tensor | None, targets: Tensor, options: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    o = decode(options)
+    _check_ids(targets, item_weight, o)
     with torch.autocast(hidden.device.type, enabled=False), torch.no_grad():
-        return native.rows_forward(hidden, item_weight, bias, class_weight, pos_weight, targets, block_v,
-                                   compute_metrics, offset, focal=_focal(gamma, alpha, balancing))
+        return native.rows_forward(hidden, item_weight, bias, class_weight, pos_weight, targets, o)
 
 
 @_rows.register_fake
-def _(hidden, item_weight, bias, class_weight, pos_weight, targets, block_v, compute_metrics, offset, id_limit,
-      gamma, alpha, balancing):
+def _(hidden, item_weight, bias, class_weight, pos_weight, targets, options):
     acc = positives.accumulation_dtype(hidden.dtype)
     n = hidden.shape[0]
     return (hidden.new_empty((n,), dtype=acc),
-            hidden.new_empty((4 if compute_metrics else 0, n), dtype=torch.float32),
+            hidden.new_empty((4 if decode(options).compute_metrics else 0, n), dtype=torch.float32),
             hidden.new_empty(targets.shape, dtype=acc),
             targets.new_empty(targets.shape, dtype=torch.int64))
 
 
 @torch.library.custom_op("torch_cutbce::rows_backward", mutates_args=())
 def _rows_backward(hidden: Tensor, item_weight: Tensor, bias: Tensor | None, class_weight: Tensor | None,
-                   pos_weight: Tensor | None, ids: Tensor, logits: Tensor, g: Tensor, block_v: int,
-                   need_hidden: bool, need_items: bool, need_bias: bool, gamma: float, alpha: float,
-                   balancing: bool) -> tuple[Tensor, Tensor, Tensor]:
+                   pos_weight: Tensor | None, ids: Tensor, logits: Tensor, g: Tensor, need: list[bool],
+                   options: str) -> tuple[Tensor, Tensor, Tensor]:
     with torch.autocast(hidden.device.type, enabled=False), torch.no_grad():
         grads = native.rows_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, logits, g,
-                                     block_v, (need_hidden, need_items, need_bias),
-                                     focal=_focal(gamma, alpha, balancing))
+                                     tuple(need), decode(options))
     return tuple(_no_grad_buffer(logits) if d is None else d for d in grads)
 
 
 @_rows_backward.register_fake
-def _(hidden, item_weight, bias, class_weight, pos_weight, ids, logits, g, block_v, need_hidden, need_items,
-      need_bias, gamma, alpha, balancing):
+def _(hidden, item_weight, bias, class_weight, pos_weight, ids, logits, g, need, options):
     shapes = (hidden.shape, item_weight.shape, item_weight.shape[:1])
-    return tuple(logits.new_empty(shape if need else (0,)) for shape, need in
-                 zip(shapes, (need_hidden, need_items, need_bias and bias is not None)))
+    return tuple(logits.new_empty(shape if wanted else (0,)) for shape, wanted in zip(shapes, need))
 
 
 def _rows_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(*output[1:])  # counts, the positives' logits and ids
     ctx.set_materialize_grads(False)
-    hidden, item_weight, bias, class_weight, pos_weight, _, block_v, _, _, _, *focal = inputs
+    hidden, item_weight, bias, class_weight, pos_weight, _, options = inputs
     ctx.save_for_backward(hidden, item_weight, bias, class_weight, pos_weight, output[3], output[2])
-    ctx.block_v, ctx.focal = block_v, focal
+    ctx.options = options
 
 
 def _rows_grad(ctx, g_rows, _g_counts, _g_logits, _g_ids):
     _refuse_double_backward()
     if g_rows is None:  # the rows' gradient is undefined (not materialized): every input's is too
-        return (None,) * 13
+        return (None,) * 7
     hidden, item_weight, bias, class_weight, pos_weight, ids, logits = ctx.saved_tensors
     need = ctx.needs_input_grad[:3]
-    grads = _rows_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, logits, g_rows,
-                           ctx.block_v, need[0], need[1], need[2] and bias is not None, *ctx.focal)
+    need = [need[0], need[1], need[2] and bias is not None]
+    grads = _rows_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, logits, g_rows, need,
+                           ctx.options)
     inputs = (hidden, item_weight, bias)
-    return (*(_cast(d, x.dtype) if n else None for d, x, n in zip(grads, inputs, need)),
-            None, None, None, None, None, None, None, None, None, None)
+    return (*(_cast(d, x.dtype) if n else None for d, x, n in zip(grads, inputs, need)), None, None, None, None)
 
 
 _rows.register_autograd(_rows_grad, setup_context=_rows_setup)
 
 
-def rows(hidden, item_weight, bias, class_weight, pos_weight, targets, *, block_v, compute_metrics,
-         offset=0, id_limit=None, focal=None):
-    """`(rows [N], counts [4, N] or [0, N])` of `native.rows_forward`; ids >= `id_limit` (default:
-    the table's V) raise (CPU) or assert (CUDA)."""
-    limit = item_weight.shape[0] if id_limit is None else id_limit
-    out = _rows(hidden, item_weight, bias, class_weight, pos_weight, targets, block_v, compute_metrics,
-                offset, limit, *_focal_args(focal))
+def rows(hidden, item_weight, bias, class_weight, pos_weight, targets, options: CutBCEOptions):
+    """`(rows [N], counts [4, N] or [0, N])` of `native.rows_forward` for `[N, D]` / `[N, L]` inputs."""
+    out = _rows(hidden, item_weight, bias, class_weight, pos_weight, targets, options.encode())
     return out[0], out[1]
 
 
@@ -124,27 +123,24 @@ def rows(hidden, item_weight, bias, class_weight, pos_weight, targets, *, block_
 
 @torch.library.custom_op("torch_cutbce::loss", mutates_args=())
 def _loss(hidden: Tensor, item_weight: Tensor, bias: Tensor | None, weight: Tensor | None,
-          class_weight: Tensor | None, pos_weight: Tensor | None, targets: Tensor, divisor: float, block_v: int,
-          compute_metrics: bool, need_hidden: bool, need_items: bool, need_bias: bool, offset: int, id_limit: int,
-          gamma: float, alpha: float, balancing: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    check_ids_below_vocab(targets, id_limit)
+          class_weight: Tensor | None, pos_weight: Tensor | None, targets: Tensor, divisor: float,
+          need: list[bool], options: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    o = decode(options)
+    _check_ids(targets, item_weight, o)
     with torch.autocast(hidden.device.type, enabled=False), torch.no_grad():
         out = native.loss_and_grads(hidden, item_weight, bias, weight, class_weight, pos_weight, targets,
-                                    divisor, block_v, compute_metrics, (need_hidden, need_items, need_bias),
-                                    focal=_focal(gamma, alpha, balancing), offset=offset)
+                                    divisor, tuple(need), o)
     loss, counts, row_losses = out[:3]
     return (loss, counts, row_losses, *(_no_grad_buffer(row_losses) if d is None else d for d in out[3:]))
 
 
 @_loss.register_fake
-def _(hidden, item_weight, bias, weight, class_weight, pos_weight, targets, divisor, block_v, compute_metrics,
-      need_hidden, need_items, need_bias, offset, id_limit, gamma, alpha, balancing):
+def _(hidden, item_weight, bias, weight, class_weight, pos_weight, targets, divisor, need, options):
     acc = positives.accumulation_dtype(hidden.dtype)
-    grads = [hidden.new_empty(shape if need else (0,), dtype=acc) for shape, need in
-             zip((hidden.shape, item_weight.shape, item_weight.shape[:1]),
-                 (need_hidden, need_items, need_bias and bias is not None))]
-    return (hidden.new_empty((), dtype=acc), hidden.new_empty((4 if compute_metrics else 0,), dtype=torch.float32),
-            hidden.new_empty(hidden.shape[:1], dtype=acc), *grads)
+    grads = [hidden.new_empty(shape if wanted else (0,), dtype=acc) for shape, wanted in
+             zip((hidden.shape, item_weight.shape, item_weight.shape[:1]), need)]
+    counts = hidden.new_empty((4 if decode(options).compute_metrics else 0,), dtype=torch.float32)
+    return (hidden.new_empty((), dtype=acc), counts, hidden.new_empty(hidden.shape[:1], dtype=acc), *grads)
 
 
 def _loss_setup(ctx, inputs, output):
@@ -173,19 +169,19 @@ def _loss_grad(ctx, g_loss, *_):
     if need[3]:
         scale = g_loss.to(row_losses.dtype) / torch.tensor(ctx.divisor, dtype=row_losses.dtype)
         d_weight = (row_losses * scale).to(ctx.dtypes[3])
-    return (*out, d_weight, *[None] * 14)  # class/pos weight, targets and the plain arguments
+    return (*out, d_weight, None, None, None, None, None, None)  # class/pos weight, targets, divisor, need, options
 
 
 _loss.register_autograd(_loss_grad, setup_context=_loss_setup)
 
 
-def loss(hidden, item_weight, bias, weight, class_weight, pos_weight, targets, *, divisor, block_v,
-         compute_metrics, offset=0, id_limit=None, focal=None):
-    """`(loss [], counts [4] or [0])` of `native.loss_and_grads`, the gradients computed only for the
-    inputs that require them while grad mode is on; `offset` / `id_limit` as in `rows`."""
+def loss(hidden, item_weight, bias, weight, class_weight, pos_weight, targets, divisor: float,
+         options: CutBCEOptions):
+    """`(loss [], counts [4] or [0])` of `native.loss_and_grads` for `[N, D]` / `[N, L]` inputs: the
+    weighted rows' sum over `divisor`, the gradients computed only for the inputs that require them
+    while grad mode is on."""
     grad_on = torch.is_grad_enabled()
     need = [grad_on and x is not None and x.requires_grad for x in (hidden, item_weight, bias)]
-    out = _loss(hidden, item_weight, bias, weight, class_weight, pos_weight, targets, float(divisor), block_v,
-                compute_metrics, *need, offset, item_weight.shape[0] if id_limit is None else id_limit,
-                *_focal_args(focal))
+    out = _loss(hidden, item_weight, bias, weight, class_weight, pos_weight, targets, float(divisor), need,
+                options.encode())
     return out[0], out[1]

@@ -77,46 +77,43 @@ class _SumOverRanks(torch.autograd.Function):
         return grad, None
 
 
-def _check_slice(item_weight, options: VocabParallelOptions) -> None:
-    if item_weight.shape[0] != options.stop - options.start:
-        raise ValueError(f"item_weight holds {item_weight.shape[0]} rows but options give "
-                         f"[{options.start}, {options.stop})")
+def _check_slice(item_weight, vocab_parallel: VocabParallelOptions) -> None:
+    if item_weight.shape[0] != vocab_parallel.stop - vocab_parallel.start:
+        raise ValueError(f"item_weight holds {item_weight.shape[0]} rows but vocab_parallel gives "
+                         f"[{vocab_parallel.start}, {vocab_parallel.stop})")
 
 
-def vocab_parallel_rows(hidden, item_weight, bias, class_weight, pos_weight, targets, *, options: VocabParallelOptions,
-                        block_v: int, compute_metrics: bool, focal=None):
-    """Rows `[N]` and counts `[4 or 0, N]` over the whole catalog, this rank holding `options`' slice.
+def vocab_parallel_rows(hidden, item_weight, bias, class_weight, pos_weight, targets, options, *,
+                        vocab_parallel: VocabParallelOptions):
+    """Rows `[N]` and counts `[4 or 0, N]` over the whole catalog, this rank holding `vocab_parallel`'s slice.
 
-    Called by `cut_bce_with_logits(..., vocab_parallel=options)` with `[N, D]` / `[N, L]` inputs;
-    the same rows, counts and `d_hidden` on every rank (module docstring).
+    Called by `cut_bce_with_logits(..., vocab_parallel=...)` with `[N, D]` / `[N, L]` inputs and its
+    `CutBCEOptions` (whose `offset` / `id_limit` are the slice's start and the global V); the same
+    rows, counts and `d_hidden` on every rank (module docstring).
     """
-    _check_slice(item_weight, options)
-    hidden = _CopyToRanks.apply(hidden, options.group)
+    _check_slice(item_weight, vocab_parallel)
+    hidden = _CopyToRanks.apply(hidden, vocab_parallel.group)
     # Global ids: the op keeps those in [start, stop) as local ids, the others are another rank's;
     # ids >= the global V raise (CPU) or assert (CUDA) inside the op, as on one device.
-    rows, counts = ops.rows(hidden, item_weight, bias, class_weight, pos_weight, targets, block_v=block_v,
-                            compute_metrics=compute_metrics, offset=options.start, id_limit=options.num_items,
-                            focal=focal)
+    rows, counts = ops.rows(hidden, item_weight, bias, class_weight, pos_weight, targets, options)
     # One all_reduce: counts are integers below 2**24, exact in float32 and float64.
-    stacked = _SumOverRanks.apply(torch.cat([rows[None], counts.to(rows.dtype)]), options.group)
+    stacked = _SumOverRanks.apply(torch.cat([rows[None], counts.to(rows.dtype)]), vocab_parallel.group)
     return stacked[0], stacked[1:].detach().float()
 
 
-def vocab_parallel_loss(hidden, item_weight, bias, weight, class_weight, pos_weight, targets, *,
-                        options: VocabParallelOptions, divisor: float, block_v: int, compute_metrics: bool,
-                        focal=None):
+def vocab_parallel_loss(hidden, item_weight, bias, weight, class_weight, pos_weight, targets, divisor, options, *,
+                        vocab_parallel: VocabParallelOptions):
     """'sum' / 'mean' in one pass: `(loss [], counts [4 or 0])`, weighted and summed over positions.
 
     Each rank's `torch_cutbce::loss` computes its items' share of the loss, counts and gradients
-    in the forward (`divisor` is the global one); one all_reduce sums the shares. hidden and weight
-    enter through `_CopyToRanks`, so their gradients (each rank's partial) are summed over the ranks.
+    in the forward (`divisor` is the global one); one all_reduce sums the shares. hidden and
+    weight enter through `_CopyToRanks`, so their gradients (each rank's partial) are summed over
+    the ranks.
     """
-    _check_slice(item_weight, options)
-    hidden = _CopyToRanks.apply(hidden, options.group)
+    _check_slice(item_weight, vocab_parallel)
+    hidden = _CopyToRanks.apply(hidden, vocab_parallel.group)
     if weight is not None and weight.requires_grad:
-        weight = _CopyToRanks.apply(weight, options.group)
-    loss, counts = ops.loss(hidden, item_weight, bias, weight, class_weight, pos_weight, targets, divisor=divisor,
-                            block_v=block_v, compute_metrics=compute_metrics, offset=options.start,
-                            id_limit=options.num_items, focal=focal)
-    stacked = _SumOverRanks.apply(torch.cat([loss[None], counts.to(loss.dtype)]), options.group)
+        weight = _CopyToRanks.apply(weight, vocab_parallel.group)
+    loss, counts = ops.loss(hidden, item_weight, bias, weight, class_weight, pos_weight, targets, divisor, options)
+    stacked = _SumOverRanks.apply(torch.cat([loss[None], counts.to(loss.dtype)]), vocab_parallel.group)
     return stacked[0], stacked[1:].detach().float()

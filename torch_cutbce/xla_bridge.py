@@ -20,6 +20,10 @@ How the pieces connect:
       -> cut_bce_value_and_grad (one device) or sharded_value_and_grad (mesh): the gradients come
       out of the forward; its backward only scales them
 
+Each op takes its tensors plus one `options: str` (`CutBCEOptions.encode()`: tile width, metrics,
+focal, the JAX impl, the mesh layout); `_static` decodes it and builds the JAX `CutBCEConfig` (and
+the sharded layout) in one place.
+
 With a mesh the same ops lower `jax_kernels.sharded`'s shard_map over an AbstractMesh instead.
 Saved for the backward: the inputs only (no `[N, V]` or `[N, block_v]` residual); the one-pass op
 saves its rows and gradients.
@@ -41,11 +45,10 @@ jax_import_guard()
 import jax  # noqa: E402
 import jax.experimental  # noqa: E402  (enable_x64: the backward runs in the forward's mode)
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 import jax_kernels.core as jax_core  # noqa: E402
+from jax_kernels.neutral.options import CutBCEOptions, decode  # noqa: E402
 from jax_kernels.neutral.shapes import choose_impl  # noqa: E402
-from jax_kernels.neutral.focal import from_args as focal_from_args, to_args as focal_args  # noqa: E402
 from torch_cutbce.positives import accumulation_dtype  # noqa: E402
 import jax_kernels.sharded as jax_sharded  # noqa: E402
 
@@ -95,34 +98,25 @@ def _jax_weighted_sum(hidden, item_weight, targets, bias, class_weight, pos_weig
     return loss, counts, rows, d_hidden, d_items, jnp.zeros((0,), d_items.dtype) if d_bias is None else d_bias
 
 
-def resolve_impl(backend: str, dtype: torch.dtype) -> str:
-    """The JAX engine for a bridge backend (`shapes.choose_impl`): 'xla' is Pallas on a TPU."""
-    impl = {"xla": "auto", "xla_blocked": "blocked", "xla_pallas": "pallas"}.get(backend, "auto")
-    return choose_impl(impl, str(dtype).removeprefix("torch."), xr.device_type() == "TPU")
+def resolve_impl(options: CutBCEOptions, dtype: torch.dtype) -> str:
+    """The JAX engine `options.impl` names for inputs of `dtype` (`shapes.choose_impl`): 'auto' is
+    Pallas on a TPU for float32 / bfloat16. Raises TypeError for impl='pallas' with another dtype."""
+    return choose_impl(options.impl, str(dtype).removeprefix("torch."), xr.device_type() == "TPU")
 
 
-def _axis(name: str):
-    """'' -> None, 'a' -> 'a', 'a,b' -> ('a', 'b'): custom ops take no nested or optional lists."""
-    if not name:
-        return None
-    return tuple(name.split(",")) if "," in name else name
-
-
-def _join(axis) -> str:
-    return "" if axis is None else (axis if isinstance(axis, str) else ",".join(axis))
-
-
-def _static(block_v, compute_metrics, impl, mesh_shape, mesh_axes, vocab_axis, data_axis, focal_args):
-    """The call_jax keyword arguments: the config, and the sharded layout when a mesh is given."""
+def _static(options: str, hidden: torch.Tensor, item_weight: torch.Tensor) -> dict:
+    """The call_jax keyword arguments of an op's `options` string: the config, and the sharded
+    layout when the options name a mesh (both hashable: call_jax's cache key)."""
+    o = decode(options)
     # cpu_kernel=False: torch_xla runs its own XLA build, where the FFI target of the blocked loop's C
     # kernel is not registered (jax_kernels/blocked/negative_tile.py); the jnp tiles compute the same.
-    config = jax_core.CutBCEConfig(block_v=block_v, compute_metrics=compute_metrics, impl=impl,
-                                   focal=focal_from_args(*focal_args), cpu_kernel=False)
-    if not mesh_shape:
+    # call_config sizes a default tile for the whole problem (N x V), as the torch entry once did.
+    config = jax_core.call_config(block_v=o.block_v, num_positions=hidden.shape[0], num_items=item_weight.shape[0],
+                                  impl=resolve_impl(o, hidden.dtype), compute_metrics=o.compute_metrics,
+                                  focal=o.focal, cpu_kernel=False)
+    if not o.mesh_shape:
         return {"config": config, "layout": None}
-    layout = jax_sharded.abstract_layout(
-        tuple(mesh_shape), mesh_axes.split(","), _axis(vocab_axis), _axis(data_axis), config
-    )
+    layout = jax_sharded.abstract_layout(o.mesh_shape, o.mesh_axes, o.vocab_axis, o.data_axis, config)
     return {"config": config, "layout": layout}
 
 
@@ -130,8 +124,6 @@ def _rows_dtype(hidden: torch.Tensor) -> torch.dtype:
     return accumulation_dtype(hidden.dtype)
 
 
-# The mesh travels as plain values (custom ops take ints, lists of ints and strings):
-# mesh_shape [] means one device; mesh_axes, vocab_axis and data_axis are comma-joined names.
 @torch.library.custom_op("cutbce::xla_rows", mutates_args=())
 def xla_rows(
     hidden: torch.Tensor,
@@ -140,29 +132,19 @@ def xla_rows(
     bias: torch.Tensor | None,
     class_weight: torch.Tensor | None,
     pos_weight: torch.Tensor | None,
-    block_v: int,
-    compute_metrics: bool,
-    impl: str,
-    mesh_shape: list[int],
-    mesh_axes: str,
-    vocab_axis: str,
-    data_axis: str,
-    gamma: float,
-    alpha: float,
-    balancing: bool,
+    options: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows `[N]` and counts `[4 or 0, N]` of `jax_kernels.cut_bce_forward`, computed through call_jax."""
-    static = _static(block_v, compute_metrics, impl, mesh_shape, mesh_axes, vocab_axis, data_axis,
-                     (gamma, alpha, balancing))
+    static = _static(options, hidden, item_weight)
     rows, counts = xb.call_jax(_jax_forward, (hidden, item_weight, targets, bias, class_weight, pos_weight), static)
     return rows, counts
 
 
 @xla_rows.register_fake
-def _(hidden, item_weight, targets, bias, class_weight, pos_weight, block_v, compute_metrics, impl, *mesh):
+def _(hidden, item_weight, targets, bias, class_weight, pos_weight, options):
     n = hidden.shape[0]
     rows = hidden.new_empty((n,), dtype=_rows_dtype(hidden))
-    return rows, hidden.new_empty((4 if compute_metrics else 0, n), dtype=torch.float32)
+    return rows, hidden.new_empty((4 if decode(options).compute_metrics else 0, n), dtype=torch.float32)
 
 
 @torch.library.custom_op("cutbce::xla_rows_backward", mutates_args=())
@@ -174,35 +156,26 @@ def xla_rows_backward(
     class_weight: torch.Tensor | None,
     pos_weight: torch.Tensor | None,
     g: torch.Tensor,
-    block_v: int,
-    impl: str,
-    mesh_shape: list[int],
-    mesh_axes: str,
-    vocab_axis: str,
-    data_axis: str,
-    gamma: float,
-    alpha: float,
-    balancing: bool,
+    options: str,
 ) -> list[torch.Tensor]:
     """`[d_hidden, d_item_weight]` (+ `d_bias` when bias is given) from `jax_kernels.cut_bce_backward`."""
-    static = _static(block_v, False, impl, mesh_shape, mesh_axes, vocab_axis, data_axis,
-                     (gamma, alpha, balancing))
     d_hidden, d_item_weight, d_bias = xb.call_jax(
-        _jax_backward, (hidden, item_weight, targets, bias, class_weight, pos_weight, g), static
+        _jax_backward, (hidden, item_weight, targets, bias, class_weight, pos_weight, g),
+        _static(options, hidden, item_weight),
     )
     return [d_hidden, d_item_weight] + ([] if bias is None else [d_bias])
 
 
 @xla_rows_backward.register_fake
-def _(hidden, item_weight, targets, bias, class_weight, pos_weight, g, block_v, impl, *mesh):
+def _(hidden, item_weight, targets, bias, class_weight, pos_weight, g, options):
     grads = [torch.empty_like(hidden), torch.empty_like(item_weight)]
     return grads + ([] if bias is None else [torch.empty_like(bias)])
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, item_weight, targets, bias, class_weight, pos_weight, block_v, _, impl, *mesh = inputs
+    hidden, item_weight, targets, bias, class_weight, pos_weight, options = inputs
     ctx.save_for_backward(hidden, item_weight, targets, bias, class_weight, pos_weight)
-    ctx.static = (block_v, impl, *mesh)
+    ctx.options = options
     ctx.x64 = bool(jax.config.jax_enable_x64)  # the forward's mode, for the backward's own lowering
     ctx.mark_non_differentiable(output[1])
 
@@ -213,9 +186,9 @@ def _backward(ctx, g_rows, _g_counts):
     # forward's thread does not hold: lower the backward in the forward's mode (float64 stays float64).
     with jax.experimental.enable_x64(ctx.x64):
         grads = xla_rows_backward(hidden, item_weight, targets, bias, class_weight, pos_weight, g_rows,
-                                  *ctx.static)
+                                  ctx.options)
     d_bias = grads[2] if bias is not None else None
-    return (grads[0], grads[1], None, d_bias) + (None,) * 12
+    return grads[0], grads[1], None, d_bias, None, None, None
 
 
 xla_rows.register_autograd(_backward, setup_context=_setup_context)
@@ -230,31 +203,21 @@ def xla_weighted_sum(
     class_weight: torch.Tensor | None,
     pos_weight: torch.Tensor | None,
     row_weight: torch.Tensor,
-    block_v: int,
-    compute_metrics: bool,
-    impl: str,
-    mesh_shape: list[int],
-    mesh_axes: str,
-    vocab_axis: str,
-    data_axis: str,
-    gamma: float,
-    alpha: float,
-    balancing: bool,
+    options: str,
 ) -> list[torch.Tensor]:
     """`[loss, counts, rows, d_hidden, d_item_weight, d_bias or an empty placeholder]` of `_jax_weighted_sum`."""
-    static = _static(block_v, compute_metrics, impl, mesh_shape, mesh_axes, vocab_axis, data_axis,
-                     (gamma, alpha, balancing))
     args = (hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight)
-    return list(xb.call_jax(_jax_weighted_sum, args, static))
+    return list(xb.call_jax(_jax_weighted_sum, args, _static(options, hidden, item_weight)))
 
 
 @xla_weighted_sum.register_fake
-def _(hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight, block_v, compute_metrics, impl,
-      *mesh_and_focal):
+def _(hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight, options):
+    o = decode(options)
     n, acc = hidden.shape[0], _rows_dtype(hidden)
     # The Pallas table gradient comes in the table's dtype (no table-sized float32 buffer on TPU).
-    items_dtype = item_weight.dtype if impl == "pallas" else acc
-    return [hidden.new_empty((), dtype=acc), hidden.new_empty((4 if compute_metrics else 0, n), dtype=torch.float32),
+    items_dtype = item_weight.dtype if resolve_impl(o, hidden.dtype) == "pallas" else acc
+    return [hidden.new_empty((), dtype=acc),
+            hidden.new_empty((4 if o.compute_metrics else 0, n), dtype=torch.float32),
             hidden.new_empty((n,), dtype=acc), torch.empty_like(hidden, dtype=acc),
             torch.empty_like(item_weight, dtype=items_dtype),
             hidden.new_empty(bias.shape if bias is not None else (0,), dtype=acc)]
@@ -263,9 +226,6 @@ def _(hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight, 
 def _weighted_sum_setup(ctx, inputs, output):
     ctx.save_for_backward(output[2], *output[3:])
     ctx.dtypes = [None if x is None else x.dtype for x in (inputs[0], inputs[1], inputs[3])]
-    # The gradient of mesh_shape must have its tree structure: torch.library reads an empty list
-    # as an empty list of tensors (a node), a list of ints as one leaf.
-    ctx.mesh_shape_grad = None if inputs[10] else []
     ctx.mark_non_differentiable(*output[1:])
 
 
@@ -283,8 +243,7 @@ def _weighted_sum_backward(ctx, output_grads):
                          for d, dtype, n in zip((d_hidden, d_items), ctx.dtypes[:2], need[:2]))
     d_bias = scaled(d_bias, ctx.dtypes[2]) if need[3] else None
     d_row_weight = (rows * g_loss.to(rows.dtype)) if need[6] else None
-    return (d_hidden, d_items, None, d_bias, None, None, d_row_weight, None, None, None, ctx.mesh_shape_grad,
-            *(None,) * 6)
+    return d_hidden, d_items, None, d_bias, None, None, d_row_weight, None
 
 
 xla_weighted_sum.register_autograd(_weighted_sum_backward, setup_context=_weighted_sum_setup)
@@ -306,51 +265,36 @@ def _check_x64(hidden: torch.Tensor) -> None:
         )
 
 
-def _mesh_args(mesh, vocab_axis, data_axis) -> tuple:
-    """The custom ops' `(mesh_shape, mesh_axes, vocab_axis, data_axis)`; `([], '', '', '')` for one device."""
-    if mesh is None:
-        return [], "", "", ""
-    device_ids = np.asarray(mesh.device_ids).ravel()
-    if not np.array_equal(device_ids, np.arange(device_ids.size)):
-        raise ValueError(f"mesh.device_ids must be 0..n-1 in order, got {mesh.device_ids}")
-    return list(mesh.mesh_shape), ",".join(mesh.axis_names), _join(vocab_axis), _join(data_axis)
-
-
-def _op_arguments(hidden, item_weight, targets, backend, mesh, vocab_axis, data_axis) -> tuple:
-    """What both entries below check and convert before their op: `(impl, mesh args, int32 targets)`."""
-    impl = resolve_impl(backend, hidden.dtype)
+def _checked_targets(hidden, item_weight, targets, options: CutBCEOptions) -> torch.Tensor:
+    """What both entries below check before their op (64-bit mode, the impl for this dtype), and
+    their targets as int32 ids."""
     _check_x64(hidden)
-    return impl, _mesh_args(mesh, vocab_axis, data_axis), _xla_targets(targets, item_weight.shape[0])
+    resolve_impl(options, hidden.dtype)  # impl='pallas' with float16 / float64 raises here, not inside
+    return _xla_targets(targets, item_weight.shape[0])
 
 
-def cut_bce_weighted_sum(hidden, item_weight, bias, class_weight, pos_weight, targets, row_weight, *,
-                         block_v, compute_metrics, backend, mesh=None, vocab_axis="model", data_axis="data",
-                         focal=None):
+def cut_bce_weighted_sum(hidden, item_weight, bias, class_weight, pos_weight, targets, row_weight,
+                         options: CutBCEOptions):
     """`(sum_n row_weight[n] rows[n], counts [4 or 0, N])`, gradients computed in the forward: the
-    'sum' / 'mean' loss in one pass over the tiles, on one device or under an SPMD mesh (`mesh` as
-    in `cut_bce_rows`; each device's pass covers its own slice of the table and of the positions).
+    'sum' / 'mean' loss in one pass over the tiles, on one device or under an SPMD mesh (`options`
+    as in `cut_bce_rows`; each device's pass covers its own slice of the table and of the positions).
 
     `row_weight` `[N]` is the position weight over the reduction's divisor; it gets the rows as
     its gradient.
     """
-    impl, mesh_args, targets = _op_arguments(hidden, item_weight, targets, backend, mesh, vocab_axis, data_axis)
-    out = xla_weighted_sum(hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight, block_v,
-                           compute_metrics, impl, *mesh_args, *focal_args(focal))
+    targets = _checked_targets(hidden, item_weight, targets, options)
+    out = xla_weighted_sum(hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight,
+                           options.encode())
     return out[0], out[1]
 
 
-def cut_bce_rows(
-    hidden, item_weight, bias, class_weight, pos_weight, targets, *,
-    block_v, compute_metrics, backend, mesh=None, vocab_axis="model", data_axis="data", focal=None,
-):
-    """Entry point for `cut_bce_with_logits` (same argument order as the native Function).
+def cut_bce_rows(hidden, item_weight, bias, class_weight, pos_weight, targets, options: CutBCEOptions):
+    """Rows `[N]` and counts `[4 or 0, N]` for `cut_bce_with_logits` (same argument order as the native op).
 
-    `mesh`: a `torch_xla.distributed.spmd.Mesh` to run sharded under torch_xla SPMD (its device
-    ids must be 0..n-1 in order: the JAX side lowers over an AbstractMesh of the same shape and
-    axis names, i.e. row-major logical ids), or None for one device.
+    `options.mesh_shape` / `mesh_axes` (`torch_cutbce.arguments.mesh_layout` of a
+    `torch_xla.distributed.spmd.Mesh` whose device ids are 0..n-1 in order: the JAX side lowers
+    over an AbstractMesh of the same shape and axis names, i.e. row-major logical ids) run the call
+    sharded under torch_xla SPMD; `()` runs it on one device.
     """
-    impl, mesh_args, targets = _op_arguments(hidden, item_weight, targets, backend, mesh, vocab_axis, data_axis)
-    return xla_rows(
-        hidden, item_weight, targets, bias, class_weight, pos_weight, block_v, compute_metrics, impl, *mesh_args,
-        *focal_args(focal),
-    )
+    targets = _checked_targets(hidden, item_weight, targets, options)
+    return xla_rows(hidden, item_weight, targets, bias, class_weight, pos_weight, options.encode())

@@ -70,17 +70,3 @@ def check_focal(focal) -> Focal | None:
     focal.validate()
     return None if focal.gamma == 0.0 and not focal.apply_class_balancing else focal
 
-
-# A focal option crossing a torch custom-op boundary (or any API that takes plain values only):
-# (gamma, alpha, apply_class_balancing), with gamma < 0 standing for "no focal" (plain BCE).
-PLAIN_ARGS = (-1.0, 0.0, False)
-
-
-def to_args(focal: Focal | None) -> tuple[float, float, bool]:
-    """`focal` as three plain values (`PLAIN_ARGS` for None)."""
-    return PLAIN_ARGS if focal is None else (focal.gamma, focal.alpha, focal.apply_class_balancing)
-
-
-def from_args(gamma: float, alpha: float, balancing: bool) -> Focal | None:
-    """The inverse of `to_args`."""
-    return None if gamma < 0 else Focal(gamma, alpha, balancing)
