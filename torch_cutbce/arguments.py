@@ -12,7 +12,7 @@ import torch
 
 from jax_kernels.neutral.shapes import AxisName, ArraySpec, check_arguments, check_largest_id, check_mesh_axes
 
-BACKENDS = ("auto", "native", "dense", "xla", "xla_blocked", "xla_pallas")
+BACKENDS = ("auto", "native", "dense", "xla", "xla_blocked", "xla_pallas", "torch_tpu")
 
 
 def spec(x: torch.Tensor | None, name: str = "argument") -> ArraySpec | None:
@@ -79,7 +79,7 @@ def mesh_layout(mesh, vocab_axis: AxisName, data_axis: AxisName) -> dict:
 def resolve_backend(backend: str, hidden: torch.Tensor) -> str:
     check_backend(backend)
     if backend == "auto":
-        return "xla" if hidden.device.type == "xla" else "native"
+        return {"xla": "xla", "tpu": "torch_tpu"}.get(hidden.device.type, "native")
     return backend
 
 

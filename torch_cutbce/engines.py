@@ -11,6 +11,8 @@ applies the position weight to the rows and reduces them (`reduction.reduce_rows
     xla, xla_blocked, xla_pallas
                     the torch_xla bridge (xla_bridge.py, imported on first use): the JAX engine
                     `impl` ('auto': Pallas on a TPU), on one device or under an SPMD mesh
+    torch_tpu       the TorchTPU bridge (tpu_bridge.py, imported on first use): the same JAX
+                    engines through `torch.tpu.pallas.jax_op`, `tpu` tensors (or `meta`, shapes only)
 
 Every engine takes `flat = (hidden [N, D], item_weight [V, D], bias, class_weight, pos_weight,
 targets [N, L])`, the options, and the `VocabParallelOptions` (None except for vocab_parallel):
@@ -99,28 +101,40 @@ def _dense_weighted_sum(flat, weight, divisor, options, vocab_parallel):
     return loss / divisor, counts.float()
 
 
-def _xla_rows(flat, options, vocab_parallel):
-    from torch_cutbce import xla_bridge  # the one module that imports torch_xla and jax
+def _bridge(module: str):
+    """The JAX bridge `module`, imported on first use: the only modules that import jax (and
+    torch_xla / torch_tpu). Import statements, not importlib: dynamo traces them (fullgraph)."""
+    if module == "xla_bridge":
+        from torch_cutbce import xla_bridge as bridge
+    else:
+        from torch_cutbce import tpu_bridge as bridge
+    return bridge
 
-    return xla_bridge.cut_bce_rows(*flat, options)
 
+def _bridge_engine(name: str, module: str, impl: str, on_xla: bool | None, takes_mesh: bool) -> Engine:
+    """An engine of the JAX bridge `torch_cutbce.<module>` (xla_bridge or tpu_bridge)."""
 
-def _xla_weighted_sum(flat, weight, divisor, options, vocab_parallel):
-    from torch_cutbce import xla_bridge
+    def rows(flat, options, vocab_parallel):
+        return _bridge(module).cut_bce_rows(*flat, options)
 
-    hidden = flat[0]
-    n, acc = hidden.shape[0], accumulation_dtype(hidden.dtype)
-    w = torch.ones(n, dtype=acc, device=hidden.device) if weight is None else weight.to(acc)
-    loss, counts = xla_bridge.cut_bce_weighted_sum(*flat, w / divisor, options)
-    return loss, weighted_count_sums(counts, weight)
+    def weighted_sum(flat, weight, divisor, options, vocab_parallel):
+        hidden = flat[0]
+        n, acc = hidden.shape[0], accumulation_dtype(hidden.dtype)
+        w = torch.ones(n, dtype=acc, device=hidden.device) if weight is None else weight.to(acc)
+        loss, counts = _bridge(module).cut_bce_weighted_sum(*flat, w / divisor, options)
+        return loss, weighted_count_sums(counts, weight)
+
+    return Engine(name, rows, weighted_sum, on_xla=on_xla, impl=impl, takes_mesh=takes_mesh)
 
 
 ENGINES = {
     "dense": Engine("dense", _dense_rows, _dense_weighted_sum, on_xla=None),
     "native": Engine("native", _native_rows, _native_weighted_sum, drops_padded_positions=True),
     "vocab_parallel": Engine("vocab_parallel", _vocab_parallel_rows, _vocab_parallel_weighted_sum),
-    **{name: Engine(name, _xla_rows, _xla_weighted_sum, on_xla=True, impl=impl, takes_mesh=True)
+    **{name: _bridge_engine(name, "xla_bridge", impl, on_xla=True, takes_mesh=True)
        for name, impl in (("xla", "auto"), ("xla_blocked", "blocked"), ("xla_pallas", "pallas"))},
+    # on_xla=None: tpu_bridge checks its own devices ('tpu', or 'meta' for shapes only).
+    "torch_tpu": _bridge_engine("torch_tpu", "tpu_bridge", "auto", on_xla=None, takes_mesh=False),
 }
 
 
