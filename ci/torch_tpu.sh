@@ -17,10 +17,10 @@ if ! { [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; }; then
   pip_quiet() {
     .venv-tpu/bin/python -m pip install -q --disable-pip-version-check "$@" 2>&1 | { grep -v "is ignored" || true; } >&2
   }
-  # The CPU build of torch: from /opt/wheels where present, else PyTorch's CPU index (PyPI's
-  # default torch wheel is the CUDA one, several GB more).
-  if [ -d /opt/wheels ]; then wheels=(--find-links /opt/wheels); else
-    wheels=(--extra-index-url https://download.pytorch.org/whl/cpu); fi
+  # The CPU build of torch from /opt/wheels where present (these machines keep it there); elsewhere
+  # pip takes torch 2.13.0 from the index (on Linux x86_64 a CUDA build, several GB more).
+  wheels=()
+  if [ -d /opt/wheels ]; then wheels=(--find-links /opt/wheels); fi
   pip_quiet "${wheels[@]}" -c ci/torch-tpu-constraints.txt -r ci/torch-tpu-constraints.txt
   echo "$want" > "$stamp"
   echo "[torch_tpu] .venv-tpu ready" >&2
