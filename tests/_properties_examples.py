@@ -4,7 +4,8 @@ A spec holds every structural choice (dtype, shapes, options, scales, layouts) a
 `build(spec)` turns it into arrays deterministically, so hypothesis prints (and shrinks) a short,
 reproducible spec instead of arrays, and the subprocess workers rebuild the very same example from
 it. `mutate` (Property B: one bad argument) and `corrupt` (Property C: out-of-range ids) are
-deterministic too. numpy only: neither hypothesis, torch nor jax is imported here.
+deterministic too; `allowed_refusals` (Property A) says which errors a spec may meet on each engine.
+numpy only: neither hypothesis, torch nor jax is imported here.
 """
 
 from __future__ import annotations
@@ -173,6 +174,40 @@ def _weights(rng, kind, size, positive_range):
     if kind in ("zeros", "signed"):
         w[rng.random(size) < 0.3] = 0.0
     return w
+
+
+# -- Property A: what the rules refuse of a whole spec ---------------------------------------------
+
+ENGINES = ("native", "blocked", "pallas", "bridge", "mesh", "vocab-parallel")
+KERNEL_DTYPES = ("float32", "bfloat16")  # README, 'What each bad input gets': impl='pallas' takes these
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """An error the documented rules raise for a spec: its exact type and the argument it names."""
+
+    error: type
+    argument: str
+
+    def __str__(self) -> str:
+        return f"{self.error.__name__} naming {self.argument}"
+
+
+def allowed_refusals(spec: Spec, engine: str) -> frozenset:
+    """The `Refusal`s the README's bad-input table allows for `spec` on `engine`; empty: the example
+    must reach the oracle. More than one when a spec breaks several rules (the first check raises).
+
+    Everything else a spec can draw is valid: N = 0, D = 0, L = 0, any float dtype of the path,
+    int32 / int64 ids, negative padding ids of any size, signed or zero weights, any layout.
+    """
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    refusals = set()
+    if spec.block_v is not None and spec.block_v < 1:
+        refusals.add(Refusal(ValueError, "block_v"))
+    if engine == "pallas" and spec.dtype not in KERNEL_DTYPES:
+        refusals.add(Refusal(TypeError, "impl"))
+    return frozenset(refusals)
 
 
 # -- Property B: one bad argument ------------------------------------------------------------------

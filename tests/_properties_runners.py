@@ -105,9 +105,9 @@ def jax_results(example: Example, *, jit: bool, inputs=None, options=None, varia
     they are (int64 ids too: what a user passes); under jit they are an argument of the jitted step.
     `variants`: a list of targets arrays to run through the same (jitted) step; returns a list."""
     import jax
-    from jax.experimental import enable_x64
 
     import jax_kernels
+    from parity import enable_x64
 
     inputs = example.inputs if inputs is None else inputs
     options = example.call_options if options is None else options

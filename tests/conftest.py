@@ -3,14 +3,16 @@ lacks.
 
 JAX runs with x64 off, its default and the configuration users run: float32 / bfloat16 cases and
 int64 ids (validated before JAX narrows them to int32) are tested as users see them. Each float64
-case switches x64 on locally (`parity.jax_x64(dtype)`, i.e. `jax.experimental.enable_x64`);
-the subprocess workers do the same.
+case switches x64 on locally (`parity.jax_x64(dtype)`, i.e. `jax.enable_x64`, or
+`jax.experimental.enable_x64` before jax 0.8); the subprocess workers do the same.
 
 Nothing here imports torch_xla or jax at import time. `pytest_configure` sets PJRT_DEVICE, then
-imports torch_xla (where installed) before any test runs: torch's autograd engine sizes its
-per-device queues at the first backward, so an XLA backward after a CPU backward that ran before
-torch_xla was imported fails with an internal assert (a torch / torch_xla limitation users meet
-too: README, 'Cloud TPU'). Without this, which tests pass would depend on their order.
+imports torch_xla (where installed); when the session holds tests marked `xla`, the fixture
+`xla_runtime_before_any_backward` starts the XLA device before the first test. torch's autograd
+engine sizes its per-device queues at the first backward, so an XLA backward after a CPU backward
+that ran before the XLA device existed fails with an internal assert (a torch / torch_xla
+limitation users meet too: README, 'Cloud TPU'); importing torch_xla alone is not enough. Without
+this, which tests pass would depend on their order and on which files run.
 
 The core install (`pip install torch-cutbce`: torch and numpy) runs every torch-only test; tests
 marked `jax` or `xla` skip, with the extra to install as the reason, where jax or torch_xla is
@@ -46,3 +48,12 @@ def pytest_collection_modifyitems(config, items):
         for marker, (module, extra) in missing.items():
             if item.get_closest_marker(marker):
                 item.add_marker(pytest.mark.skip(reason=f"needs {module}: pip install 'torch-cutbce[{extra}]'"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def xla_runtime_before_any_backward(request):
+    """Starts the XLA device before any test when an `xla` test will run (see the module docstring)."""
+    if installed("torch_xla") and any(item.get_closest_marker("xla") for item in request.session.items):
+        import torch_xla
+
+        torch_xla.device()

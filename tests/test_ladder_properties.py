@@ -3,10 +3,16 @@
 Properties, each over every path (torch native and dense, JAX blocked jitted and eager, Pallas in
 interpret mode, the torch_xla bridge, JAX on a 4-device mesh, torch vocab-parallel over 2 ranks):
 
-- A: each valid example either meets `parity.assert_exact_as_dense` (loss, every row, every
-  gradient, metrics against `_properties_oracle.float64_oracle`) or raises a ValueError /
-  TypeError naming an argument. Every A test first runs `CONFIDENT` (rows of confident positives),
-  the native and jitted blocked ones also `WIDE` (rows of 2**22 equal logits).
+- A (`_properties_checks.check_exact`): each example whose spec the documented rules accept
+  meets `parity.assert_exact_as_dense` (loss, every row, every gradient, metrics against
+  `_properties_oracle.float64_oracle`); any error there fails the test (a valid input refused). A
+  spec the rules refuse (a block_v < 1, float64 on Pallas) must raise exactly one of
+  `_properties_examples.allowed_refusals(spec, engine)`. Each example records its outcome
+  (`hypothesis.event`: 'reached oracle' or 'refused: <argument>'; `--hypothesis-show-statistics`
+  prints them) and each A test asserts that at least half of its examples, and at least 3, reached
+  the oracle. Every A test first runs `CONFIDENT` (rows of confident positives) and `REFUSED`
+  (CONFIDENT with block_v=0), the native and jitted blocked ones also `WIDE` (rows of 2**22 equal
+  logits), Pallas also CONFIDENT in float64.
 - B: every bad argument (ids >= V where they can be checked, wrong shapes, wrong dtypes, a
   non-array, block_v <= 0 or bool, an unknown reduction), one at a time on a drawn valid example,
   raises a ValueError / TypeError whose message names it.
@@ -16,7 +22,8 @@ interpret mode, the torch_xla bridge, JAX on a 4-device mesh, torch vocab-parall
 Examples are `_properties_examples.Spec`s (shapes, dtype, options, scales, layouts, one seed), so a
 failure prints a short spec that `build(spec)` turns back into the arrays. JAX runs as users run it,
 with x64 off (float64 examples switch it on locally). The mesh and vocab-parallel paths run in
-long-lived subprocesses (`_properties_worker.py`); hypothesis stays in this process.
+long-lived subprocesses (`_properties_worker.py`); hypothesis stays in this process. Each test
+carries the parity rung of its path as a marker (`-m rung2`: the Pallas properties).
 """
 
 from __future__ import annotations
@@ -24,27 +31,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, assume, example, given, settings
 from hypothesis import strategies as st
 
-try:
-    import torch_xla
-except ImportError:
-    torch_xla = None
-
-from _properties_examples import ID_MUTATIONS, LAYOUTS, MUTATIONS, WEIGHT_KINDS, Example, Spec, build, corrupt, mutate
+from _properties_checks import assert_bitwise_equal, check_exact, check_refused, counts_outcomes
+from _properties_examples import ID_MUTATIONS, LAYOUTS, MUTATIONS, WEIGHT_KINDS, Spec, build, corrupt
 from _properties_runners import jax_results, torch_results
-from _properties_oracle import dense_same_dtype, float64_oracle
-from parity import assert_exact_as_dense
 
 TORCH_DTYPES = ("float32", "float64", "bfloat16", "float16")
 JAX_DTYPES = ("float32", "float64", "bfloat16")
-ARGUMENTS = ("hidden", "item_weight", "targets", "bias", "weight", "class_weight", "pos_weight",
-             "reduction", "block_v", "backend", "impl", "mesh", "vocab_axis", "data_axis")
 SHRINK_EVERYWHERE = False  # set True locally for minimal examples from the compiling paths (slow)
 JAX_MUTATIONS = tuple(m for m in MUTATIONS if m != "list_item_weight")  # JAX takes array-likes (README)
 # Every exactness property also runs this example first: rows whose positive has logit +20..+100
@@ -57,6 +55,9 @@ CONFIDENT_INT32 = dataclasses.replace(CONFIDENT, id_dtype="int32")
 WIDE = Spec(dtype="float32", lead_shape=(2,), num_items=2**22, hidden_size=1, num_slots=1, reduction="none",
             layouts=(("item_weight", "expanded"),), hidden_scale=2.0, seed=3)
 WIDE_INT32 = dataclasses.replace(WIDE, id_dtype="int32")
+# And this one, which every path must refuse (ValueError naming block_v) before any compute.
+REFUSED = dataclasses.replace(CONFIDENT, block_v=0)
+REFUSED_INT32 = dataclasses.replace(REFUSED, id_dtype="int32")
 MESHES = (((2, 2), ("data", "model"), "model", "data"), ((4,), ("model",), "model", None),
           ((1, 4), ("data", "model"), "model", "data"), ((4, 1), ("data", "model"), "model", "data"))
 
@@ -78,8 +79,9 @@ def budget(max_examples, shrink=True):
 
 
 @st.composite
-def specs(draw, *, dtypes, max_n=64, max_v=5000, max_d=32, min_v=1, ids="int64", layouts=False):
-    """A `Spec`. ids: 'int64', 'int32', 'jit' (int32 with x64 off, int64 for float64) or 'any'."""
+def specs(draw, *, dtypes, max_n=64, max_v=5000, max_d=32, min_v=1, ids="int64", layouts=False, refusable=False):
+    """A `Spec`. ids: 'int64', 'int32', 'jit' (int32 with x64 off, int64 for float64) or 'any'.
+    refusable: now and then (about 1 in 16) a block_v < 1, which every path must refuse (Property A)."""
     dtype = draw(st.sampled_from(dtypes))
     if draw(st.booleans()):
         first = draw(st.integers(0, 8))
@@ -90,11 +92,15 @@ def specs(draw, *, dtypes, max_n=64, max_v=5000, max_d=32, min_v=1, ids="int64",
     half16 = dtype == "float16"  # keep float16 gradients below its 65504 overflow
     bias = draw(st.booleans())
     id_dtype = {"jit": "int64" if dtype == "float64" else "int32", "any": None}.get(ids, ids)
+    if refusable and draw(st.integers(0, 15)) == 15:
+        block_v = draw(st.sampled_from((0, -1, -v)))
+    else:
+        block_v = draw(st.none() | st.integers(-(-v // 64), v + 3))
     return Spec(
         dtype=dtype, lead_shape=lead, num_items=v, hidden_size=draw(st.integers(0, max_d)),
         num_slots=draw(st.integers(0, min(v + 3, 6)) | st.integers(0, min(v + 3, 40))),
         reduction=draw(st.sampled_from(("none", "sum", "mean"))), return_metrics=draw(st.booleans()),
-        block_v=draw(st.none() | st.integers(-(-v // 64), v + 3)), bias=bias,
+        block_v=block_v, bias=bias,
         weight=draw(st.sampled_from(WEIGHT_KINDS)), class_weight=draw(st.sampled_from(WEIGHT_KINDS)),
         pos_weight=draw(st.sampled_from(WEIGHT_KINDS)),
         hidden_scale=draw(st.sampled_from((1.0, 0.0, 1e-3, 10.0) + (() if half16 else (100.0,)))),
@@ -127,72 +133,6 @@ def bad_id_cases(draw, *, id_dtype, **kwargs):
     return spec, tuple(ids)
 
 
-# -- checks ----------------------------------------------------------------------------------------
-
-
-def names_one_of(error: Exception, names) -> bool:
-    return any(re.search(rf"(?<!\w){re.escape(n)}(?!\w)", str(error)) for n in names)
-
-
-def check_exact(run, example: Example, name: str) -> None:
-    """Property A for one example; `run()` returns the path's results."""
-    try:
-        fast = run()
-    except (ValueError, TypeError) as error:
-        assert names_one_of(error, ARGUMENTS), f"{name}: {type(error).__name__} naming no argument: {error}"
-        return
-    s = example.spec
-    common = dict(dtype=s.dtype, reduction=s.reduction, upstream=example.upstream)
-    oracle = float64_oracle(example.inputs, return_metrics=s.return_metrics, **common)
-    assert_exact_as_dense(fast, dense_same_dtype(example.inputs, **common), oracle, dtype=s.dtype, name=name)
-
-
-def check_refused(run, spec: Spec, mutations=MUTATIONS) -> None:
-    """Property B for every mutation of `spec`'s arguments (all failures are reported together).
-
-    `run(example, inputs, options, mutation)` runs the path on the mutated arguments; it must
-    raise a ValueError or TypeError whose message names the mutated argument.
-    """
-    example, failures = build(spec), []
-    for mutation in mutations:
-        if mutation in ID_MUTATIONS and math.prod(spec.lead_shape) == 0:
-            continue  # no slot for a bad id
-        inputs, options, names = mutate(example.inputs, example.call_options, mutation, spec, spec.num_items)
-        try:
-            run(example, inputs, options, mutation)
-        except (ValueError, TypeError) as error:
-            if not names_one_of(error, names):
-                failures.append(f"{mutation}: {type(error).__name__} naming none of {names}: {error}")
-        except Exception as error:  # any other type is itself the failure to report
-            failures.append(f"{mutation}: {type(error).__name__}, not a ValueError / TypeError: {error}")
-        else:
-            failures.append(f"{mutation}: no error (a silent answer)")
-    assert not failures, "bad input not refused:\n" + "\n".join(f[:400] for f in failures)
-
-
-def assert_bitwise_equal(bad: dict, clean: dict, name: str) -> None:
-    """Property C: the same keys and the same bits (results are float64 copies: exact)."""
-    assert bad.keys() == clean.keys(), (sorted(bad), sorted(clean))
-    for key in clean:
-        a, b = np.asarray(bad[key], np.float64), np.asarray(clean[key], np.float64)
-        if a.shape != b.shape:
-            raise AssertionError(f"{name}:{key}: shape {a.shape} with bad ids, {b.shape} with -1")
-        if not np.array_equal(a.view(np.uint64), b.view(np.uint64)):
-            with np.errstate(invalid="ignore"):
-                diff = np.where(a.view(np.uint64) == b.view(np.uint64), 0.0, np.nan_to_num(np.abs(a - b), nan=np.inf))
-            where = tuple(int(i) for i in np.unravel_index(int(np.argmax(diff)), diff.shape))
-            raise AssertionError(f"{name}:{key}: bad ids change the result: at {where} {float(a[where])!r} "
-                                 f"with bad ids vs {float(b[where])!r} with -1")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def xla_runtime_before_any_backward():
-    """torch's autograd engine sizes its per-device queues at its first backward: an XLA runtime
-    started after a CPU backward makes every later XLA backward fail an internal assert."""
-    if torch_xla is not None:
-        torch_xla.device()
-
-
 def torch_path(backend):
     from torch_cutbce import cut_bce_with_logits
 
@@ -206,17 +146,21 @@ def torch_path(backend):
 # compares against. torch evaluates a negative's loss through a rounded log(1 + exp(-|z|)) (1e-3
 # relative off at z = -10 in float32, 0 for 2e-19 at z = -43), so it does not meet the rule the
 # fast paths meet (README, Precision); its argument checks are still run below.
+@pytest.mark.rung1
 @pytest.mark.parametrize("backend", ["native"])
+@counts_outcomes
 @budget(100)
-@given(spec=specs(dtypes=TORCH_DTYPES, layouts=True))
+@given(spec=specs(dtypes=TORCH_DTYPES, layouts=True, refusable=True))
 @example(spec=CONFIDENT)
 @example(spec=WIDE)
+@example(spec=REFUSED)
 def test_torch_exact_as_dense(backend, spec):
     example = build(spec)
-    check_exact(lambda: torch_results(example, torch_path(backend)), example, backend)
+    check_exact(lambda: torch_results(example, torch_path(backend)), example, backend, backend)
 
 
-@pytest.mark.parametrize("backend", ["native", "dense"])
+@pytest.mark.parametrize("backend", [pytest.param("native", marks=pytest.mark.rung1),
+                                     pytest.param("dense", marks=pytest.mark.rung0)])
 @budget(25)
 @given(spec=small_specs(dtypes=TORCH_DTYPES))
 def test_torch_refuses_bad_input(backend, spec):
@@ -232,31 +176,43 @@ def jax_kernels():
     return pytest.importorskip("jax_kernels")
 
 
+@pytest.mark.rung1
+@counts_outcomes
 @budget(60)
-@given(spec=specs(dtypes=JAX_DTYPES, ids="jit"))
+@given(spec=specs(dtypes=JAX_DTYPES, ids="jit", refusable=True))
 @example(spec=CONFIDENT_INT32)
 @example(spec=WIDE_INT32)
+@example(spec=REFUSED_INT32)
 def test_blocked_jit_exact_as_dense(jax_kernels, spec):
     example = build(spec)
-    check_exact(lambda: jax_results(example, jit=True, impl="blocked"), example, "blocked-jit")
+    check_exact(lambda: jax_results(example, jit=True, impl="blocked"), example, "blocked-jit", "blocked")
 
 
+@pytest.mark.rung1
+@counts_outcomes
 @budget(12, shrink=False)
-@given(spec=specs(dtypes=JAX_DTYPES, ids="any"))
+@given(spec=specs(dtypes=JAX_DTYPES, ids="any", refusable=True))
 @example(spec=CONFIDENT)
+@example(spec=REFUSED)
 def test_blocked_eager_exact_as_dense(jax_kernels, spec):
     example = build(spec)
-    check_exact(lambda: jax_results(example, jit=False, impl="blocked"), example, "blocked-eager")
+    check_exact(lambda: jax_results(example, jit=False, impl="blocked"), example, "blocked-eager", "blocked")
 
 
+@pytest.mark.rung2
+@counts_outcomes
 @budget(12, shrink=False)
-@given(spec=specs(dtypes=("float32", "bfloat16"), max_n=24, max_v=600, ids="jit"))
+@given(spec=specs(dtypes=("float32", "bfloat16"), max_n=24, max_v=600, ids="jit", refusable=True))
 @example(spec=CONFIDENT_INT32)
+@example(spec=REFUSED_INT32)
+@example(spec=dataclasses.replace(CONFIDENT, dtype="float64"))  # the kernels take float32 / bfloat16
 def test_pallas_exact_as_dense(jax_kernels, spec):
     example = build(spec)
-    check_exact(lambda: jax_results(example, jit=True, impl="pallas"), example, "pallas")
+    check_exact(lambda: jax_results(example, jit=True, impl="pallas"), example, "pallas", "pallas")
 
 
+@pytest.mark.rung1
+@pytest.mark.rung2  # draws impl='blocked' and 'pallas'
 @budget(12, shrink=False)
 @given(spec=small_specs(dtypes=JAX_DTYPES, ids="any"), jit=st.booleans(), impl=st.sampled_from(("blocked", "pallas")))
 def test_jax_refuses_bad_input(jax_kernels, spec, jit, impl):
@@ -265,7 +221,8 @@ def test_jax_refuses_bad_input(jax_kernels, spec, jit, impl):
     check_refused(lambda ex, i, o, m: jax_results(ex, jit=jit, inputs=i, options=o, impl=impl), spec, mutations)
 
 
-@pytest.mark.parametrize("impl", ["blocked", "pallas"])
+@pytest.mark.parametrize("impl", [pytest.param("blocked", marks=pytest.mark.rung1),
+                                  pytest.param("pallas", marks=pytest.mark.rung2)])
 @budget(10, shrink=False)
 @given(case=bad_id_cases(id_dtype="int32", max_n=24, max_v=600))  # x64 off, as users run: int32 ids
 @example(case=(CONFIDENT_INT32, (300, 2**31 - 1, -(2**31))))
@@ -295,15 +252,19 @@ def bridge_results(example, device, **kwargs):
         return torch_results(example, torch_path("xla"), device=device, **kwargs)
 
 
+@pytest.mark.rung3
 @pytest.mark.xla
+@counts_outcomes
 @budget(10, shrink=False)
-@given(spec=specs(dtypes=("float32", "bfloat16", "float64"), max_n=24, max_v=600))
+@given(spec=specs(dtypes=("float32", "bfloat16", "float64"), max_n=24, max_v=600, refusable=True))
 @example(spec=CONFIDENT)
+@example(spec=REFUSED)
 def test_bridge_exact_as_dense(xla_device, spec):
     example = build(spec)
-    check_exact(lambda: bridge_results(example, xla_device), example, "bridge")
+    check_exact(lambda: bridge_results(example, xla_device), example, "bridge", "bridge")
 
 
+@pytest.mark.rung3
 @pytest.mark.xla
 @budget(8, shrink=False)
 @given(spec=small_specs(dtypes=("float32", "float64")))
@@ -312,6 +273,7 @@ def test_bridge_refuses_bad_input(xla_device, spec):
     check_refused(lambda ex, i, o, m: bridge_results(ex, xla_device, inputs=i, options=o), spec, mutations)
 
 
+@pytest.mark.rung3
 @pytest.mark.xla
 @budget(8, shrink=False)
 @given(case=bad_id_cases(id_dtype="int64", max_n=24, max_v=600))  # torch ids are int64
@@ -344,14 +306,21 @@ def mesh_params(draw, jit=None):
             "jit": draw(st.booleans()) if jit is None else jit}
 
 
+MESH_2X2 = {"mesh_shape": (2, 2), "mesh_axes": ("data", "model"), "vocab_axis": "model", "data_axis": "data",
+            "jit": True}
+
+
+@pytest.mark.rung3
+@counts_outcomes
 @budget(8, shrink=False)
-@given(spec=specs(dtypes=JAX_DTYPES, max_n=32, max_v=1000, ids="jit"), params=mesh_params())
-@example(spec=CONFIDENT_INT32, params={"mesh_shape": (2, 2), "mesh_axes": ("data", "model"), "vocab_axis": "model",
-                                       "data_axis": "data", "jit": True})
+@given(spec=specs(dtypes=JAX_DTYPES, max_n=32, max_v=1000, ids="jit", refusable=True), params=mesh_params())
+@example(spec=CONFIDENT_INT32, params=MESH_2X2)
+@example(spec=REFUSED_INT32, params=MESH_2X2)
 def test_mesh_exact_as_dense(mesh_worker, spec, params):
-    check_exact(lambda: mesh_worker("A", spec, params), build(spec), "mesh")
+    check_exact(lambda: mesh_worker("A", spec, params), build(spec), "mesh", "mesh")
 
 
+@pytest.mark.rung3
 @budget(4, shrink=False)
 @given(spec=small_specs(dtypes=("float32",), ids="int64"), params=mesh_params())
 def test_mesh_refuses_bad_input(mesh_worker, spec, params):
@@ -361,6 +330,7 @@ def test_mesh_refuses_bad_input(mesh_worker, spec, params):
     check_refused(run, spec, JAX_MUTATIONS)
 
 
+@pytest.mark.rung3
 @budget(10, shrink=False)
 @given(case=bad_id_cases(id_dtype="int32", max_n=32, max_v=1000), params=mesh_params(jit=True))
 def test_mesh_jit_ignores_out_of_range_ids(mesh_worker, case, params):
@@ -380,7 +350,8 @@ def vocab_parallel_worker(tmp_path_factory):
         for key in ("loss", "tp", "fp", "fn", "tn", "d_hidden", "d_weight"):
             if key in first:  # replicated on every rank, bit for bit (one all_reduce)
                 assert np.array_equal(first[key], second[key], equal_nan=True), f"ranks differ in {key}"
-        return {**first, **{k: np.concatenate([first[k], second[k]]) for k in ("d_item_weight", "d_bias") if k in first}}
+        sliced = {k: np.concatenate([first[k], second[k]]) for k in ("d_item_weight", "d_bias") if k in first}
+        return {**first, **sliced}
 
     yield call
     workers.close()
@@ -393,14 +364,19 @@ def split_specs(draw, **kwargs):
     return spec, draw(st.integers(1, spec.num_items - 1))
 
 
+@pytest.mark.rung3
+@counts_outcomes
 @budget(15, shrink=False)
-@given(case=split_specs(dtypes=TORCH_DTYPES, max_n=32, max_v=1000, layouts=True))
+@given(case=split_specs(dtypes=TORCH_DTYPES, max_n=32, max_v=1000, layouts=True, refusable=True))
 @example(case=(CONFIDENT, 150))
+@example(case=(REFUSED, 150))
 def test_vocab_parallel_exact_as_dense(vocab_parallel_worker, case):
     spec, split = case
-    check_exact(lambda: vocab_parallel_worker("A", spec, {"split": split}), build(spec), "vocab-parallel")
+    run = lambda: vocab_parallel_worker("A", spec, {"split": split})  # noqa: E731
+    check_exact(run, build(spec), "vocab-parallel", "vocab-parallel")
 
 
+@pytest.mark.rung3
 @budget(8, shrink=False)
 @given(case=split_specs(dtypes=("float32",), max_n=6, max_v=20, max_d=4))
 def test_vocab_parallel_refuses_bad_input(vocab_parallel_worker, case):
