@@ -6,7 +6,7 @@
 "extra" is the peak RSS beyond the inputs and their gradients (`proc_memory`; one process measures
 several shapes where Linux lets it reset the peak). The native path keeps it O(N x block_v) whatever
 V is, where the dense float32 logits alone take 4 N V bytes. Exits with status 1 when a peak exceeds
---limit-mib (4 GiB, issue 2's bound at the default shape); tests/test_extra_memory.py runs it.
+--limit-mib (4 GiB, issue 2's bound at the default shape); tests/test_torch_native_memory.py runs it.
 """
 
 from __future__ import annotations

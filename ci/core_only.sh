@@ -71,7 +71,7 @@ PY
 
 report=$work/report.txt
 set +e
-# -m 'not slow': the one slow test (test_extra_memory.py, a minute) measures memory against V, not the
+# -m 'not slow': the one slow test (test_torch_native_memory.py, a minute) measures memory against V, not the
 # install; the main suite runs it.
 (cd "$unpacked" && PJRT_DEVICE=CPU "$venv/bin/python" -m pytest -q -p no:cacheprovider -rs -m "not slow" tests "$@") \
   | tee "$report"

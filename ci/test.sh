@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # The README's test command: set up .venv (idempotent) and run the whole test suite on the CPU;
-# then, for the full run (no arguments), the core-only check: the sdist installed without extras
-# into .venv-core (torch 2.13.0, no jax, no torch_xla) must pass or skip every test
-# (ci/core_only.sh). Arguments go to pytest and run only the main suite:
-#   bash ci/test.sh tests/test_l1_native_torch.py -k mean
+# then, for the full run (no arguments), the suites that need environments of their own, each built
+# or reused by its script:
+#   ci/core_only.sh   the sdist installed without extras into .venv-core (torch 2.13.0, no jax, no
+#                     torch_xla): it must pass or skip every test;
+#   ci/jax_newest.sh  the JAX suite on the newest JAX of the [jax] range, Python 3.12 (.venv-jax);
+#   ci/torch_tpu.sh   the TorchTPU bridge's checks: torch 2.13, torch_tpu, jax 0.10.2, libtpu (.venv-tpu).
+# Arguments go to pytest and run only the main suite:
+#   bash ci/test.sh tests/test_torch_native.py -k mean
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash ci/setup.sh
@@ -11,4 +15,6 @@ export PJRT_DEVICE=${PJRT_DEVICE:-CPU}
 .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 tests "$@"
 if [ "$#" -eq 0 ]; then
   time bash ci/core_only.sh
+  time bash ci/jax_newest.sh
+  time bash ci/torch_tpu.sh
 fi

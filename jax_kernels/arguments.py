@@ -1,12 +1,10 @@
 """Argument preparation of the JAX entry points (`cut_bce`, `dense_cut_bce`).
 
-Array-likes (numpy arrays, nested lists, scalars) are accepted and converted with `jnp.asarray`.
-Target ids are the exception: without x64, JAX narrows int64 to int32 by wrapping, which turns
-padding -2**32 into item 0 and id 2**32 + 5 into item 5. So concrete ids are checked on the host
-in their own dtype first (ids >= V raise), every negative id becomes -1, and only then are they
-narrowed. Traced ids are left alone: under `jit` without x64 an int64 array cannot exist (JAX
-narrows it at the jit boundary, before our code runs); with x64 a traced int64 id stays int64 and
-the engines compare it with V in int64 (`positives.positive_slots`).
+Array-likes are converted with `jnp.asarray`, except target ids: without x64, JAX narrows int64 to
+int32 by wrapping (padding -2**32 would become item 0). So concrete ids are checked on the host in
+their own dtype first (ids >= V raise), negative ids become -1, and only then are they narrowed.
+Traced ids are left alone: under `jit` without x64 no int64 array exists, and with x64 the engines
+compare int64 ids with V in int64.
 """
 
 from __future__ import annotations

@@ -1,14 +1,13 @@
 """CutBCE on a device mesh: the item table split along V, the positions along a data axis.
 
-Inside `jax.shard_map` every device runs the single-device engines (`core`, blocked or Pallas) on
-its positions and its slice of the table, with ids shifted into the slice, so each positive is
-taken out on exactly one shard (docs/design.md, 'How each engine stays exact'). The rows and counts
-are psummed over the vocab axis, `d_hidden` too, and the table's gradients over the data axis:
-a constant number of collectives per call, outside the tile loop; the table is never gathered.
-Uneven sizes are padded here and made inert. `sharded_forward` / `sharded_backward` /
-`sharded_value_and_grad` mirror `core`'s functions (plus a static `layout`) for torch_xla's
-`call_jax`, which lowers them over an `AbstractMesh`. Usage, padding and checks:
-examples/sharded_note.md; the one-pass collectives: benchmarks/NOTES.md section 9.
+Inside `jax.shard_map` each device runs the single-device engines on its positions and its slice
+of the table, ids shifted into the slice, so each positive is taken out on exactly one shard
+(docs/design.md, 'How each engine stays exact'). Rows, counts and `d_hidden` are psummed over the
+vocab axis, the table's gradients over the data axis: a few collectives per call, none in the tile
+loop, and the table is never gathered. Uneven sizes are padded and made inert. The shard_map runs
+over Auto axes; a mesh with Explicit axes (jax >= 0.8.1's default) runs it inside `auto_axes`
+(`run_on_auto_axes`). `sharded_forward` / `sharded_backward` / `sharded_value_and_grad` mirror
+`core`'s functions for torch_xla's `call_jax` over an `AbstractMesh`. Usage: examples/sharded_note.md.
 """
 
 from __future__ import annotations
@@ -20,12 +19,13 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_kernels.arguments import engine_operands, resolve_impl
 from jax_kernels.core import (
     CutBCEConfig,
+    call_config,
     cut_bce_backward,
     cut_bce_forward,
     cut_bce_value_and_grad,
@@ -33,7 +33,7 @@ from jax_kernels.core import (
     weighted_sum_cotangents,
 )
 from jax_kernels.reduction import finish
-from jax_kernels.neutral.shapes import AxisName, check_mesh_axes, mesh_axis_names, tile_width
+from jax_kernels.neutral.shapes import AxisName, check_mesh_axes, mesh_axis_names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +80,9 @@ def abstract_layout(mesh_shape, axis_names, vocab_axis: AxisName, data_axis: Axi
     then places the shards on its own devices `0 .. prod(mesh_shape) - 1` in row-major order (the
     order of `torch_xla.distributed.spmd.Mesh(np.arange(n), mesh_shape, axis_names)`).
     """
-    mesh = jax.sharding.AbstractMesh(tuple(int(s) for s in mesh_shape), tuple(axis_names))
+    # Auto axes said outright: since jax 0.8.1 an AbstractMesh's axes default to Explicit.
+    auto = (AxisType.Auto,) * len(axis_names)
+    mesh = jax.sharding.AbstractMesh(tuple(int(s) for s in mesh_shape), tuple(axis_names), axis_types=auto)
     return ShardedLayout(mesh, vocab_axis, data_axis, config)
 
 
@@ -103,6 +105,63 @@ def infer_mesh(*arrays):
             return sharding.mesh
     context = jax.sharding.get_abstract_mesh()
     return None if context.empty else context
+
+
+def _axes_of_type(mesh, axis_type) -> tuple[str, ...]:
+    types = getattr(mesh, "axis_types", None) or (AxisType.Auto,) * len(mesh.axis_names)
+    return tuple(name for name, t in zip(mesh.axis_names, types) if t == axis_type)
+
+
+def auto_mesh(mesh):
+    """`mesh` with every axis Auto: the same devices, or for an `AbstractMesh` the same shape and
+    device kind (shard_map checks it against the context's under `auto_axes`)."""
+    if not _axes_of_type(mesh, AxisType.Explicit):
+        return mesh
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        return mesh.update_axis_types({name: AxisType.Auto for name in mesh.axis_names})
+    return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def _abstract(mesh):
+    return mesh if isinstance(mesh, jax.sharding.AbstractMesh) else mesh.abstract_mesh
+
+
+def _lead_spec(x, mesh, lead_rank: int):
+    """The spec of `x`'s first `lead_rank` dims when its type is sharded on `mesh`, else replicated."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    if not isinstance(sharding, NamedSharding) or _abstract(sharding.mesh) != _abstract(mesh):
+        return P()
+    return P(*(tuple(sharding.spec) + (None,) * x.ndim)[:lead_rank])
+
+
+def run_on_auto_axes(mesh, fn, *args, lead_shape, reduction: str, return_metrics: bool):
+    """`fn(*args)` (the loss and its metrics) with `mesh`'s Explicit axes made Auto for its duration.
+
+    The sharded path places its operands with shard_map in_specs and pads and slices arrays whose
+    sizes the shards need not divide, which Explicit sharding types would each have to state; under
+    `auto_axes` it runs as on an Auto mesh. Its operands keep their placement; the results come back
+    with explicit types: a scalar replicated, per-position results (reduction='none') sharded as
+    `hidden`'s leading dims. The gradients come back with their inputs' types (auto_axes' transpose).
+    """
+    if _axes_of_type(mesh, AxisType.Manual):
+        raise ValueError(
+            f"cut_bce(mesh=) runs its own shard_map and cannot run over the Manual axes "
+            f"{_axes_of_type(mesh, AxisType.Manual)} of mesh {mesh}: call it outside jax.shard_map"
+        )
+    explicit = _axes_of_type(mesh, AxisType.Explicit)
+    if not explicit:
+        return fn(*args)
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and context != _abstract(mesh):
+        raise ValueError(
+            f"cut_bce(mesh=) got mesh {mesh} inside jax.set_mesh of another mesh {context}: its Explicit "
+            f"axes {explicit} can only be made Auto under their own mesh; pass that mesh or leave the context"
+        )
+    rows_spec = _lead_spec(args[0], mesh, len(lead_shape)) if reduction == "none" else P()
+    # On the abstract mesh: jax 0.7's auto_axes compares the meshes of several shardings abstractly.
+    loss_sharding = NamedSharding(_abstract(mesh), rows_spec)
+    out_sharding = (loss_sharding, (loss_sharding,) * 4) if return_metrics else loss_sharding
+    return jax.sharding.auto_axes(fn, axes=explicit, out_sharding=out_sharding)(*args)
 
 
 def _pad_rows(x, size, value=0):
@@ -339,17 +398,19 @@ def sharded_loss(size, a, *, mesh, vocab_axis: AxisName, data_axis: AxisName, re
                 "jax.set_mesh(mesh), or pass mesh="
             )
     check_mesh_axes(mesh.axis_names, vocab_axis, data_axis)
+    user_mesh, mesh = mesh, auto_mesh(mesh)
     n = size.num_positions
     local_n = -(-n // axis_size(mesh, data_axis))
     local_items = -(-size.num_items // axis_size(mesh, vocab_axis))
-    config = CutBCEConfig(
-        block_v=tile_width(block_v, local_n, local_items),
-        compute_metrics=return_metrics,
-        impl=resolve_impl(impl, hidden.dtype),
-        block_sizes=block_sizes,
-        focal=focal,
-    )
+    config = call_config(block_v=block_v, num_positions=local_n, num_items=local_items,
+                         impl=resolve_impl(impl, hidden.dtype), compute_metrics=return_metrics,
+                         block_sizes=block_sizes, focal=focal)
     layout = ShardedLayout(mesh, vocab_axis, data_axis, config, None if catalog == size.num_items else catalog)
-    operands = engine_operands(size, hidden, item_weight, targets, bias, class_weight, pos_weight)
-    return finish(functools.partial(sharded_rows, layout), functools.partial(sharded_weighted_sum, layout),
-                  operands, weight, reduction, size.lead_shape, catalog, return_metrics)
+
+    def loss(hidden, item_weight, targets, bias, class_weight, pos_weight, weight):
+        operands = engine_operands(size, hidden, item_weight, targets, bias, class_weight, pos_weight)
+        return finish(functools.partial(sharded_rows, layout), functools.partial(sharded_weighted_sum, layout),
+                      operands, weight, reduction, size.lead_shape, catalog, return_metrics)
+
+    return run_on_auto_axes(user_mesh, loss, hidden, item_weight, targets, bias, class_weight, pos_weight, weight,
+                            lead_shape=size.lead_shape, reduction=reduction, return_metrics=return_metrics)

@@ -1,4 +1,4 @@
-"""Worker of tests/test_ladder_exact_rows.py: the sharded paths on the exact-rows cases, results as JSON.
+"""Worker of tests/test_all_exact_rows.py: the sharded paths on the exact-rows cases, results as JSON.
 
 - "jax sharded 2x2": `jax_kernels.cut_bce(..., mesh=)` on a 2x2 ('data', 'model') mesh of 4 CPU
   devices (the device count must be set before JAX starts, hence a subprocess);
@@ -59,7 +59,7 @@ def _rank_main(rank, init_file, out_dir):
     # Eager tiles (exact too): two ranks compiling the same tile functions at once can abort
     # (seen once with torch 2.13 in the core-only check: SIGABRT in a rank).
     os.environ["TORCH_CUTBCE_NO_COMPILE"] = "1"
-    torch.set_num_threads(1)  # two ranks on a 2-core host, as tests/test_l3_sharded_torch.py does
+    torch.set_num_threads(1)  # two ranks on a 2-core host, as tests/test_torch_sharded.py does
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     results = {}
     for name, case in cases.cases().items():
@@ -80,7 +80,7 @@ def _rank_main(rank, init_file, out_dir):
         json.dump(results, f_out)
     dist.barrier()  # no rank tears gloo down while another still talks to it
     dist.destroy_process_group()
-    os._exit(0)  # skip the interpreter's teardown, where torch 2.13 ranks have aborted (test_l3_sharded_torch)
+    os._exit(0)  # skip the interpreter's teardown, where torch 2.13 ranks have aborted (test_torch_sharded)
 
 
 def run_vocab_parallel() -> dict:
@@ -99,7 +99,7 @@ def run_vocab_parallel() -> dict:
 
 def main(out_path: str) -> None:
     results = {"vocab-parallel 2 ranks": run_vocab_parallel()}
-    if importlib.util.find_spec("jax") is not None:  # without the [jax] extra, test_ladder_exact_rows skips that path
+    if importlib.util.find_spec("jax") is not None:  # without the [jax] extra, test_all_exact_rows skips that path
         results["jax sharded 2x2"] = run_jax_sharded()
     with open(out_path, "w") as f:
         json.dump(results, f)

@@ -1,4 +1,4 @@
-"""The checks of tests/test_ladder_properties.py's three properties, one example at a time.
+"""The checks of tests/test_all_properties.py's three properties, one example at a time.
 
 - `check_exact` (A): a spec the documented rules accept must reach the float64 oracle and meet
   `parity.assert_exact_as_dense`; one they refuse must raise exactly an error of

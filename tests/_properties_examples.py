@@ -1,4 +1,4 @@
-"""The examples of tests/test_ladder_properties.py: a small frozen `Spec` (what hypothesis draws) and `build`.
+"""The examples of tests/test_all_properties.py: a small frozen `Spec` (what hypothesis draws) and `build`.
 
 A spec holds every structural choice (dtype, shapes, options, scales, layouts) and one numpy seed;
 `build(spec)` turns it into arrays deterministically, so hypothesis prints (and shrinks) a short,

@@ -1,4 +1,4 @@
-"""Runs one example of tests/test_ladder_properties.py through a torch or a JAX path: numpy in, numpy out.
+"""Runs one example of tests/test_all_properties.py through a torch or a JAX path: numpy in, numpy out.
 
 `torch_results` and `jax_results` return {loss, tp, fp, fn, tn (with metrics), d_<name>} as float64
 numpy arrays, the gradients taken for the example's random upstream gradient (never ones). The

@@ -1,4 +1,4 @@
-"""Subprocess side of tests/test_l3_sharded_jax.py: runs on 8 simulated CPU devices.
+"""Subprocess side of tests/test_jax_sharded.py: runs on 8 simulated CPU devices.
 
 JAX fixes its device count when its CPU backend starts, and the pytest process may already have
 started it with one device, so the multi-device checks run here, in a fresh interpreter launched as
@@ -27,11 +27,13 @@ BLOCK_V = 16
 
 
 def _case(mesh, axes, vocab_axis="model", data_axis="data", *, options=ALL_OPTIONS, num_items=V,
-          lead_shape=LEAD_SHAPE, reductions=("none",), impl="blocked", pad_rows=0):
+          lead_shape=LEAD_SHAPE, reductions=("none",), impl="blocked", pad_rows=0, axis_types="auto"):
     """One layout to compare with the single device. pad_rows: garbage rows the caller appends to the
-    table (passed with num_items=V), as a table held sharded in JAX must divide evenly."""
+    table (passed with num_items=V), as a table held sharded in JAX must divide evenly. axis_types:
+    as `make_mesh` takes it."""
     return dict(mesh=mesh, axes=axes, vocab_axis=vocab_axis, data_axis=data_axis, options=options,
-                num_items=num_items, lead_shape=lead_shape, reductions=reductions, impl=impl, pad_rows=pad_rows)
+                num_items=num_items, lead_shape=lead_shape, reductions=reductions, impl=impl, pad_rows=pad_rows,
+                axis_types=axis_types)
 
 
 DATA_MODEL = ("data", "model")
@@ -49,10 +51,38 @@ CASES = {
     # The Pallas kernels (interpret mode on CPU) inside the same shard_map; 'mean' and 'sum' run
     # the one-pass kernels (sharded_weighted_sum), 'none' forward then backward.
     "2x4_pallas": _case((2, 4), DATA_MODEL, impl="pallas", reductions=REDUCTIONS),
+    # Explicit axes (jax.make_mesh's default since jax 0.8.1): the loss runs under auto_axes.
+    "2x4_explicit": _case((2, 4), DATA_MODEL, reductions=REDUCTIONS, axis_types="explicit"),
+    "2x4_explicit_data_auto_model": _case((2, 4), DATA_MODEL, axis_types=("explicit", "auto")),
 }
+# mesh='infer' on inputs placed as a user holds them, on a mesh of each axis type (run_hlo and
+# run_tpu_export take jax.make_mesh's default, as examples/sharded_note.md builds the mesh).
+INFERENCE_AXIS_TYPES = ("auto", "explicit")
 # Compiled-HLO check: 2 x 4 mesh, V = 4096 (1024 items per shard), block_v 64 (16 tiles) vs 512 (2).
 HLO_BLOCKS = (64, 512)
 COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(-start)?\(")
+
+
+def make_mesh(shape, axes, axis_types="default"):
+    """`jax.make_mesh` with every axis 'auto' or 'explicit', one of them per axis (a tuple), or
+    'default': make_mesh's own choice (Auto axes before jax 0.8.1, Explicit since)."""
+    import jax
+    from jax.sharding import AxisType
+
+    if axis_types == "default":
+        return jax.make_mesh(shape, axes)
+    kinds = (axis_types,) * len(axes) if isinstance(axis_types, str) else axis_types
+    types = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
+    return jax.make_mesh(shape, axes, axis_types=tuple(types[k] for k in kinds))
+
+
+def spec_entries(spec) -> list:
+    """A PartitionSpec as JSON-able entries without trailing Nones (its repr differs between JAX
+    releases: `PartitionSpec('model',)` before jax 0.10, `P('model',)` since)."""
+    entries = [list(e) if isinstance(e, tuple) else e for e in spec]
+    while entries and entries[-1] is None:
+        entries.pop()
+    return entries
 
 
 def make_inputs(lead_shape, num_items, seed=0):
@@ -126,7 +156,7 @@ def run_cases(names):
             references[key] = _every_reduction(jax_kernels.cut_bce, inputs, case["options"])
         reference = references[key]
         start = time.perf_counter()
-        mesh = jax.make_mesh(case["mesh"], case["axes"])
+        mesh = make_mesh(case["mesh"], case["axes"], case["axis_types"])
         fn = functools.partial(jax_kernels.cut_bce, mesh=mesh, vocab_axis=case["vocab_axis"], data_axis=case["data_axis"])
         if case["pad_rows"]:
             inputs = _with_garbage_rows(inputs, case["pad_rows"])
@@ -167,15 +197,15 @@ def _placed(mesh, inputs):
     return {k: jax.device_put(inputs[k], NamedSharding(mesh, spec)) for k, spec in specs.items()}
 
 
-def run_inference():
-    """mesh=None: the mesh comes from the inputs' NamedSharding (concrete) or abstract mesh (under jit)."""
+def run_inference(axis_types):
+    """mesh='infer': the mesh comes from the inputs' NamedSharding (concrete) or abstract mesh (under jit)."""
     import jax
 
     import jax_kernels
     from jax_kernels.sharded import infer_mesh
     from parity import relative_error
 
-    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    mesh = make_mesh((2, 4), ("data", "model"), axis_types)
     inputs = make_inputs((4, 12), 304)
     placed = _placed(mesh, inputs)
     args = (placed["hidden"], placed["item_weight"], placed["targets"], placed["bias"])
@@ -190,8 +220,34 @@ def run_inference():
         "jit_loss": relative_error(loss, ref_loss)[0],
         "jit_d_hidden": relative_error(d_hidden, ref_grads[0])[0],
         "jit_d_item_weight": relative_error(d_items, ref_grads[1])[0],
-        "d_item_weight_spec": str(d_items.sharding.spec),
+        "d_hidden_spec": spec_entries(d_hidden.sharding.spec),
+        "d_item_weight_spec": spec_entries(d_items.sharding.spec),
     }
+
+
+def run_explicit_entries():
+    """An Explicit mesh's other entries: eager with mesh=, and mesh='infer' under jax.set_mesh with
+    plain and placed inputs ('none': the rows come back sharded as the positions)."""
+    import jax
+
+    import jax_kernels
+    from parity import relative_error
+
+    mesh = make_mesh((2, 4), ("data", "model"), "explicit")
+    inputs = make_inputs((4, 12), 304)
+    placed = _placed(mesh, inputs)
+    names = ("hidden", "item_weight", "targets", "bias")
+    kwargs = dict(reduction="none", block_v=BLOCK_V)
+    reference = jax_kernels.cut_bce(*(inputs[k] for k in names), **kwargs)
+    eager = jax_kernels.cut_bce(*(placed[k] for k in names), mesh=mesh, **kwargs)
+    out = {"eager": relative_error(eager, reference)[0], "eager_spec": spec_entries(eager.sharding.spec)}
+    with jax.set_mesh(mesh):
+        step = jax.jit(lambda *args: jax_kernels.cut_bce(*args, mesh="infer", **kwargs))
+        for label, arrays in (("plain", inputs), ("placed", placed)):
+            rows = step(*(arrays[k] for k in names))
+            out[f"set_mesh_{label}"] = relative_error(rows, reference)[0]
+            out[f"set_mesh_{label}_spec"] = spec_entries(rows.sharding.spec)
+    return out
 
 
 def computations(hlo_text: str) -> dict[str, str]:
@@ -248,7 +304,7 @@ def run_hlo():
             "counts": {k: kinds.count(k) for k in sorted(set(kinds))},
             "while_loops": len(re.findall(r"\bwhile\(", text)),
             "in_loops": collectives_in_loops(text),
-            "d_item_weight_spec": str(getattr(d_items_sharding, "spec", d_items_sharding)),
+            "d_item_weight_spec": spec_entries(d_items_sharding.spec),
         }
     return out
 
@@ -299,7 +355,9 @@ def main(out_path: str) -> None:
 
     assert jax.device_count() == NUM_DEVICES, jax.devices()
     start = time.perf_counter()
-    report = {"cases": run_cases(list(CASES)), "inference": run_inference(), "hlo": run_hlo(),
+    report = {"cases": run_cases(list(CASES)),
+              "inference": {types: run_inference(types) for types in INFERENCE_AXIS_TYPES},
+              "explicit_entries": run_explicit_entries(), "hlo": run_hlo(),
               "tpu_export": run_tpu_export()}
     report["seconds"] = time.perf_counter() - start
     with open(out_path, "w") as f:

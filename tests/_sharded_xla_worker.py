@@ -1,4 +1,4 @@
-"""Subprocess side of tests/test_l3_sharded_torch.py: torch_xla SPMD on 4 CPU devices.
+"""Subprocess side of tests/test_torch_sharded.py: torch_xla SPMD on 4 CPU devices.
 
 Run as `python tests/_sharded_xla_worker.py OUT.json DUMP_DIR` with PJRT_DEVICE=CPU,
 CPU_NUM_DEVICES=4 and XLA_FLAGS="--xla_dump_to=DUMP_DIR --xla_dump_hlo_as_text" (set by the test:

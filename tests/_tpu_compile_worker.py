@@ -1,4 +1,4 @@
-"""Subprocess side of tests/test_l2_tpu_compile.py: compiles the Pallas kernels for real TPU chips.
+"""Subprocess side of tests/test_jax_pallas_tpu_compile.py: compiles the Pallas kernels for real TPU chips.
 
 Runs as `PYTHONPATH=.venv/libtpu-overlay:. python tests/_tpu_compile_worker.py OUT.json [CHIP ...]`,
 so libtpu is loaded here and never in the pytest process. Every case is compiled (nothing runs)

@@ -1,21 +1,26 @@
 """The parity ladder's shared pieces: one tolerance table (`TOLERANCES`) and its two checks
-(`assert_close`, `assert_exact_as_dense`), the input generators, and `jax_x64`.
+(`assert_close`, `assert_exact_as_dense`), the input generators, and `jax_x64` / `enable_x64`.
 
 Framework-neutral: inputs are numpy float64 arrays whose values are already representable in the
 dtype under test (`select` rounds them), so the float64 oracle ("ground truth") sees exactly the
 numbers the fast path sees and only the computation's error is measured. `run_torch` / `run_jax`
 are the small adapters that turn those arrays into tensors, run a loss function with a random
 upstream gradient, and hand back numpy results keyed by name (loss, d_<input>, tp, fp, fn, tn).
-torch and jax are imported lazily, inside the adapters.
+torch and jax are imported lazily, inside the adapters. `float64_truth` is the oracle's results:
+torch's dense loss, or JAX's where torch is not installed (the JAX-only environment of
+ci/jax_newest.sh); `needs_torch` skips the comparisons with torch's own paths there.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.util
 import math
 from collections.abc import Mapping
 
 import numpy as np
+import pytest
 
 # THE tolerance table of the parity ladder, used by `assert_close` and `assert_exact_as_dense`
 # alike: the relative error allowed per dtype. float64 and float32 compare the fast path with the
@@ -39,6 +44,10 @@ OPTION_SETS = {
 METRIC_NAMES = ("tp", "fp", "fn", "tn")
 GRADS = ("hidden", "item_weight", "bias", "weight")  # the differentiable inputs (class/pos weights are constants)
 _TINY = 1e-30
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+needs_torch = pytest.mark.skipif(
+    not HAVE_TORCH, reason="compares with torch_cutbce's torch paths; this environment has jax only (ci/jax_newest.sh)"
+)
 
 
 def to_numpy(x) -> np.ndarray:
@@ -217,18 +226,30 @@ def jax_dtype(dtype: str):
     return getattr(jnp, dtype)
 
 
+def enable_x64(on: bool = True):
+    """A context that sets JAX's x64 mode to `on` in this thread, on every JAX the tests run.
+
+    `jax.enable_x64` from jax 0.8.0; before it `jax.experimental.enable_x64`, which jax 0.9.0 removed.
+    """
+    import jax
+
+    if hasattr(jax, "enable_x64"):
+        return jax.enable_x64(on)
+    from jax.experimental import enable_x64 as experimental_enable_x64
+
+    return experimental_enable_x64(on)
+
+
 def jax_x64(dtype: str = "float64"):
     """A context with JAX's x64 mode on for a float64 case, else one that changes nothing.
 
     The test session runs with x64 off, JAX's default and what users run (tests/conftest.py); only
-    a float64 case switches it on, locally (`jax.experimental.enable_x64`, thread-local). Without
-    x64, JAX would silently turn float64 inputs into float32. Arrays and jitted functions made
-    inside stay valid outside; a jitted function traces again under the other setting.
+    a float64 case switches it on, locally (`enable_x64`, thread-local). Without x64, JAX would
+    silently turn float64 inputs into float32. Arrays and jitted functions made inside stay valid
+    outside; a jitted function traces again under the other setting.
     """
     if dtype != "float64":
         return contextlib.nullcontext()
-    from jax.experimental import enable_x64
-
     return enable_x64(True)
 
 
@@ -248,18 +269,37 @@ def check_against_oracle(run, fn, same_dtype_reference, inputs, lead_shape, *, d
     exceed `same_dtype_reference`'s (the dense loss run in bfloat16 by `run`) by the tolerance.
     Returns `fn`'s results.
     """
-    from torch_cutbce import dense_bce_with_logits
-
     upstream = make_upstream(reduction, lead_shape, seed=seed, dtype=dtype)
     common = dict(upstream=upstream, grad_names=grad_names, reduction=reduction)
     fast = run(fn, inputs, dtype=dtype, **common, **kwargs)
-    truth = run_torch(dense_bce_with_logits, inputs, dtype="float64", **common)
+    truth = float64_truth(inputs, **common)
     if dtype == "bfloat16":
         same_dtype = run(same_dtype_reference, inputs, dtype="bfloat16", **common)
         assert_close(fast, same_dtype, truth, dtype=dtype, name=name)
     else:
         assert_close(fast, truth, dtype=dtype, name=name)
     return fast
+
+
+def float64_truth(inputs, *, upstream, grad_names=GRADS, reduction, **kwargs):
+    """The float64 oracle's loss, gradients and metrics: torch's `dense_bce_with_logits`, or without
+    torch `jax_kernels.dense_cut_bce` (x64 on), the same loss (test_reference.py checks the two)."""
+    common = dict(dtype="float64", upstream=upstream, grad_names=grad_names, reduction=reduction, **kwargs)
+    if HAVE_TORCH:
+        from torch_cutbce import dense_bce_with_logits
+
+        return run_torch(dense_bce_with_logits, inputs, **common)
+    return run_jax(_jitted_dense_cut_bce(), inputs, **common)
+
+
+@functools.cache
+def _jitted_dense_cut_bce():
+    """`jax_kernels.dense_cut_bce` under one `jit` (eagerly, each of its ops would compile apart)."""
+    import jax
+
+    from jax_kernels import dense_cut_bce
+
+    return jax.jit(dense_cut_bce, static_argnames=("reduction", "return_metrics"))
 
 
 def run_torch(fn, inputs, *, dtype, upstream, grad_names=GRADS,

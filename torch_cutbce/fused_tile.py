@@ -2,9 +2,9 @@
 
 The tile holds every item's logit except the row's positives, which `positives.TilePositives` has
 set to -inf (their loss and gradient are 0 here; `positives.positive_terms` gives them their own
-branch). Each element's loss is `cw softplus(z)` and its gradient `g cw sigmoid(z)`, both from one
-`e = exp(-|z|)` in (0, 1]: softplus(z) = max(z, 0) + log1p(e), sigmoid(z) = where(z >= 0, 1, e) / (1 + e),
-exact to rounding for any z.
+branch). Each element's loss is `cw softplus(z)` and its gradient `g cw sigmoid(z)` (focal: `term`
+and its slope, `gamma` a float), both from one `e = exp(-|z|)`, exact to rounding for any z: the
+math is `branch_math.py`'s, here only weighted, masked and summed.
 
     rows(z, cw)                -> sum_v cw softplus(z)
     rows_grad(z, cw, g, out)   -> the same, and writes dz = g cw sigmoid(z) into `out`
@@ -16,8 +16,8 @@ Plain float32 tiles on the CPU run one of three candidates (`TILES`): the C kern
 `writes_grad_in_place`), the `torch.compile`d version or the eager twin, whichever the first use on
 the machine timed fastest (`_measured_cpu_tile`, `jax_kernels/neutral/tile_choice.py`; `TORCH_CUTBCE_TILE`
 forces one). Other float32 tiles (CUDA, focal) run the `torch.compile`d version (one vectorized
-loop per function) with log1p as a polynomial (`_log1p_unit`, 4e-9 relative: Sleef's log1p costs
-about 4 exps); everything else runs the eager twin (float64, a side of length 1,
+loop per function) with log1p as a polynomial (`branch_math.log1p_tail`, 4e-9 relative: Sleef's
+log1p costs about 4 exps); everything else runs the eager twin (float64, a side of length 1,
 `TORCH_CUTBCE_NO_COMPILE=1`, no compiler). Rows are summed exactly at any width (`_row_sum`,
 `_eager_weighted_sum`). Why each choice, with timings: benchmarks/NOTES.md sections 1, 7 and 12.
 """
@@ -31,6 +31,7 @@ import warnings
 import torch
 
 from jax_kernels.neutral import cpu_tile_build, tile_choice  # framework-neutral: no jax import
+from torch_cutbce import branch_math
 
 _compile_seconds: dict[str, float] = {}
 _compile_failed = False
@@ -41,24 +42,7 @@ def compile_seconds() -> dict[str, float]:
     return dict(_compile_seconds)
 
 
-# -- the compiled functions (float32) --------------------------------------------------------------
-
-
-def _log1p_unit(e):
-    """log1p(e) for e in [0, 1]: 2 atanh(t) = 2 t P(t^2) with t = e / (2 + e) in [0, 1/3].
-
-    P(s) ~ atanh(sqrt(s)) / sqrt(s) on [0, 1/9] (a degree-4 least-squares fit in float64), relative
-    error 4e-9 for every e, e -> 0 included. The coefficients are literals, not a global tuple:
-    dynamo would lift global floats into float64 graph inputs.
-    """
-    return _log1p_from_t(e / (2 + e))
-
-
-def _log1p_from_t(t):
-    """2 atanh(t) = 2 t P(t^2): log1p(e) given t = e / (2 + e)."""
-    s = t * t
-    p = 0.33333160203203005 + s * (0.20012325666897016 + s * (0.13982172352698377 + s * 0.1408072687843689))
-    return 2 * t * (1.0000000038619887 + s * p)
+# -- the compiled functions (float32); each element's math is branch_math.py's ---------------------
 
 
 def _row_sum(x):
@@ -69,11 +53,7 @@ def _row_sum(x):
 
 
 def _rows(z, cw):
-    # t = e / (2 + e) written as 1 / (2 exp(|z|) + 1), so the exponential has one user: inductor on
-    # CPU writes an exp with several users to memory before a reduction (two loops over the tile).
-    # exp(|z|) = inf for |z| > 88 gives t = 0: log1p(e) is then below float32's smallest normal.
-    t = 1 / (2 * torch.exp(z.abs()) + 1)
-    return _row_sum((torch.clamp_min(z, 0) + _log1p_from_t(t)) * cw)
+    return _row_sum(branch_math.softplus_one_exp(z) * cw)
 
 
 def _taken_out_to_zero(z, dz):
@@ -82,61 +62,61 @@ def _taken_out_to_zero(z, dz):
 
 
 def _rows_grad(z, cw, g, out):
-    e = torch.exp(-z.abs())
-    rows = _row_sum((torch.clamp_min(z, 0) + _log1p_unit(e)) * cw)
-    out.copy_(_taken_out_to_zero(z, torch.where(z >= 0, 1.0, e) / (1 + e) * (g * cw)))
+    e = branch_math.exp_neg_abs(z)
+    rows = _row_sum(branch_math.softplus(z, e) * cw)
+    out.copy_(_taken_out_to_zero(z, branch_math.sigmoid(z, e) * (g * cw)))
     return rows
 
 
 def _grad(z, cw, g, out):
-    e = torch.exp(-z.abs())
-    out.copy_(_taken_out_to_zero(z, torch.where(z >= 0, 1.0, e) / (1 + e) * (g * cw)))
+    out.copy_(_taken_out_to_zero(z, branch_math.sigmoid(z, branch_math.exp_neg_abs(z)) * (g * cw)))
 
 
 def _counts(z):
     return (z > 0).sum(-1, dtype=torch.float32)
 
 
-# Focal tiles (`jax_kernels/neutral/focal.py`): term(z) = sigmoid(z)^gamma softplus(z), gamma > 0 a 0-d tensor.
-# sigmoid(z)^gamma = exp(-gamma softplus(-z)); at z = -inf (a positive taken out) it is exp(-inf) = 0,
-# so the element adds 0 and its gradient is 0 (gamma = 0 runs the plain functions instead).
+# Focal tiles (`jax_kernels/neutral/focal.py`): term(z) = sigmoid(z)^gamma softplus(z), gamma > 0.
+# gamma = k + f: the integer part k and whether f > 0 are constants of the compiled kernel (e^k
+# unrolled: the exact form of the factor, `branch_math.focal_factor`), gamma and f the tensor
+# `params` (every gamma with the same k and f > 0 shares a kernel). At z = -inf (a positive taken
+# out) the factor is 0, so the element adds 0 and its gradient is 0 (gamma = 0 runs the plain
+# functions instead).
 
 
-def _focal_parts(z, gamma):
-    e = torch.exp(-z.abs())
-    log1p_e = _log1p_unit(e)
-    softplus = torch.clamp_min(z, 0) + log1p_e
-    factor = torch.exp(-gamma * (torch.clamp_min(-z, 0) + log1p_e))
-    return e, softplus, factor
+def _focal_functions(k: int, fractional: bool) -> dict:
+    """The three focal tile functions for gamma = k + f (`fractional`: f > 0), taking `params` =
+    `[gamma, f]`. Each call makes new closures of the same code: dynamo keeps one compiled version
+    per split and thread count, up to its recompile limit (8; a process past it gets eager tiles)."""
+
+    def terms(z, params):
+        f = params[1] if fractional else None
+        return branch_math.focal_terms(z, branch_math.exp_neg_abs(z), params[0], k, f)
+
+    def focal_rows(z, cw, params):
+        return _row_sum(terms(z, params)[0] * cw)
+
+    def focal_rows_grad(z, cw, params, g, out):
+        term, slope = terms(z, params)
+        out.copy_(_taken_out_to_zero(z, slope * (g * cw)))
+        return _row_sum(term * cw)
+
+    def focal_grad(z, cw, params, g, out):
+        out.copy_(_taken_out_to_zero(z, terms(z, params)[1] * (g * cw)))
+
+    return {"focal_rows": focal_rows, "focal_rows_grad": focal_rows_grad, "focal_grad": focal_grad}
 
 
-def _focal_rows(z, cw, gamma):
-    _, softplus, factor = _focal_parts(z, gamma)
-    return _row_sum(factor * softplus * cw)
+@functools.lru_cache(maxsize=8)
+def _focal_params(gamma: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`[gamma, f]` (`branch_math.gamma_split`) for the compiled focal functions."""
+    return torch.tensor([gamma, branch_math.gamma_split(gamma)[1]], dtype=dtype, device=device)
 
 
-def _focal_dz_into(out, z, e, softplus, factor, cw, gamma, g):
-    sigmoid = torch.where(z >= 0, 1.0, e) / (1 + e)
-    sigmoid_neg = torch.where(z >= 0, e, 1.0) / (1 + e)
-    out.copy_(_taken_out_to_zero(z, factor * (gamma * sigmoid_neg * softplus + sigmoid) * (g * cw)))
+_FUNCTIONS = {"rows": _rows, "rows_grad": _rows_grad, "grad": _grad, "counts": _counts}
 
 
-def _focal_rows_grad(z, cw, gamma, g, out):
-    e, softplus, factor = _focal_parts(z, gamma)
-    _focal_dz_into(out, z, e, softplus, factor, cw, gamma, g)
-    return _row_sum(factor * softplus * cw)
-
-
-def _focal_grad(z, cw, gamma, g, out):
-    e, softplus, factor = _focal_parts(z, gamma)
-    _focal_dz_into(out, z, e, softplus, factor, cw, gamma, g)
-
-
-_FUNCTIONS = {"rows": _rows, "rows_grad": _rows_grad, "grad": _grad, "counts": _counts,
-              "focal_rows": _focal_rows, "focal_rows_grad": _focal_rows_grad, "focal_grad": _focal_grad}
-
-
-# -- eager twins: the same formulas, in place where they can be ----------------------------------
+# -- eager twins: the same math, weighted and masked in place ---------------------------------------
 
 
 def _eager_weighted_sum(loss, cw):
@@ -145,62 +125,50 @@ def _eager_weighted_sum(loss, cw):
     return (loss if cw is None else loss.mul_(cw)).sum(-1)
 
 
-def _eager_softplus_sum(z, e, cw):
-    """`sum_v cw softplus(z)` from `e = exp(-|z|)`; consumes e."""
-    return _eager_weighted_sum(e.log1p_().add_(z.clamp(min=0)), cw)
-
-
-def _eager_sigmoid_into(out, z, e, cw, g):
-    torch.div(torch.where(z >= 0, 1.0, e), e + 1, out=out)
-    out.mul_(g)
+def _eager_dz_into(out, z, cw, g, slope=None):
+    """`out = slope g cw` (`slope` None: `out` holds it), 0 at the positives taken out (as
+    _taken_out_to_zero)."""
+    torch.mul(out if slope is None else slope, g, out=out)
     if cw is not None:
         out.mul_(cw)
-    out.masked_fill_(z == float("-inf"), 0.0)  # as _taken_out_to_zero (out is never z here)
+    out.masked_fill_(z == float("-inf"), 0.0)  # out is never z here
+
+
+def _eager_softplus_sum(z, e, cw):
+    """`sum_v cw softplus(z)`; consumes e (its log1p is written over it)."""
+    return _eager_weighted_sum(branch_math.softplus(z, e, branch_math.log1p_tail(e, over_e=True)), cw)
 
 
 def _eager_rows(z, cw):
-    return _eager_softplus_sum(z, z.abs().neg_().exp_(), cw)
+    return _eager_softplus_sum(z, branch_math.exp_neg_abs(z), cw)
 
 
 def _eager_rows_grad(z, cw, g, out):
-    e = z.abs().neg_().exp_()
-    _eager_sigmoid_into(out, z, e, cw, g)
+    e = branch_math.exp_neg_abs(z)
+    _eager_dz_into(branch_math.sigmoid(z, e, out=out), z, cw, g)
     return _eager_softplus_sum(z, e, cw)
 
 
 def _eager_grad(z, cw, g, out):
-    _eager_sigmoid_into(out, z, z.abs().neg_().exp_(), cw, g)
+    _eager_dz_into(branch_math.sigmoid(z, branch_math.exp_neg_abs(z), out=out), z, cw, g)
 
 
-def _eager_focal_parts(z, gamma):
-    e = z.abs().neg_().exp_()
-    log1p_e = torch.log1p(e)
-    return e, z.clamp(min=0).add_(log1p_e), (z.neg().clamp_(min=0).add_(log1p_e)).mul_(-gamma).exp_()
+def _eager_focal_terms(z, gamma: float):
+    return branch_math.focal_terms(z, branch_math.exp_neg_abs(z), gamma, *branch_math.gamma_split(gamma))
 
 
 def _eager_focal_rows(z, cw, gamma):
-    _, softplus, factor = _eager_focal_parts(z, gamma)
-    return _eager_weighted_sum(factor.mul_(softplus), cw)
-
-
-def _eager_focal_dz_into(out, z, e, softplus, factor, cw, gamma, g):
-    sigmoid = torch.where(z >= 0, 1.0, e) / (e + 1)
-    sigmoid_neg = torch.where(z >= 0, e, 1.0) / (e + 1)
-    torch.mul(sigmoid_neg.mul_(softplus).mul_(gamma).add_(sigmoid), factor, out=out)
-    out.mul_(g)
-    if cw is not None:
-        out.mul_(cw)
-    out.masked_fill_(z == float("-inf"), 0.0)
+    return _eager_weighted_sum(_eager_focal_terms(z, gamma)[0], cw)
 
 
 def _eager_focal_rows_grad(z, cw, gamma, g, out):
-    e, softplus, factor = _eager_focal_parts(z, gamma)
-    _eager_focal_dz_into(out, z, e, softplus, factor, cw, gamma, g)
-    return _eager_weighted_sum(factor.mul_(softplus), cw)
+    term, slope = _eager_focal_terms(z, gamma)
+    _eager_dz_into(out, z, cw, g, slope)
+    return _eager_weighted_sum(term, cw)
 
 
 def _eager_focal_grad(z, cw, gamma, g, out):
-    _eager_focal_dz_into(out, z, *_eager_focal_parts(z, gamma), cw, gamma, g)
+    _eager_dz_into(out, z, cw, g, _eager_focal_terms(z, gamma)[1])
 
 
 _EAGER = {"rows": _eager_rows, "rows_grad": _eager_rows_grad, "grad": _eager_grad, "counts": _counts,
@@ -313,7 +281,7 @@ def _tile_for(name: str, z: torch.Tensor) -> str:
 
 
 @functools.cache
-def _compiled(name: str, threads: int):
+def _compiled(name: str, threads: int, split: tuple[int, bool] | None = None):
     # dynamic=True: the ragged last tile and every (N, block_v) share one compiled kernel.
     # cpp.threads: inductor bakes the thread count into the C++ (`omp parallel num_threads(2)`, or
     # no OpenMP at all for 1) but leaves it out of its on-disk cache key, so a kernel compiled in a
@@ -321,8 +289,10 @@ def _compiled(name: str, threads: int):
     # explicitly, it is part of the key (and a new thread count compiles anew).
     # fp-contract: the C++ compiler fuses the polynomials' multiply-adds into FMAs (one rounding
     # instead of two, so no less exact): about 10% off the tile function (benchmarks/NOTES.md section 7).
+    # split: a focal function's (k, f > 0) of gamma = k + f (`_focal_functions`).
     options = {"cpp.threads": threads, "cpp.enable_floating_point_contract_flag": "fast"}
-    return torch.compile(_FUNCTIONS[name], dynamic=True, fullgraph=True, options=options)
+    function = _FUNCTIONS[name] if split is None else _focal_functions(*split)[name]
+    return torch.compile(function, dynamic=True, fullgraph=True, options=options)
 
 
 class TileCompileWarning(UserWarning):
@@ -359,7 +329,8 @@ def _can_compile(z: torch.Tensor) -> bool:
 
 
 def _run(name: str, z: torch.Tensor, *args):
-    """`args` are `(cw, g, out)`, `(cw,)` or none (counts); focal functions take gamma after cw."""
+    """`args` are `(cw, g, out)`, `(cw,)` or none (counts); focal functions take gamma (a float)
+    after cw."""
     tile = _tile_for(name, z)
     if tile == "c_kernel":
         return _run_cpu_kernel(name, z, *args)
@@ -373,10 +344,15 @@ def _run_compiled(name: str, z: torch.Tensor, *args):
     # One kernel per function, compiled once: dynamo guards on aliasing and on whether a small input
     # is a view, so a missing class weight becomes its own ones row (one multiply per element) and
     # the `[1, bv]` / `[bn, 1]` inputs are passed as tensors of their own (a copy of a few KiB).
+    # A focal gamma (a float) becomes its `_focal_params` tensor and the kernel's (k, f > 0).
+    split, tensors = None, args
+    if name.startswith("focal"):
+        whole, fraction = branch_math.gamma_split(args[1])
+        split, tensors = (whole, fraction > 0), (args[0], _focal_params(args[1], z.dtype, z.device), *args[2:])
     compiled_args = [
         _ones_row(z.shape[1], z.dtype, z.device) if a is None and k == 0
         else (a.clone() if a is not None and k < 2 and a._base is not None else a)
-        for k, a in enumerate(args)
+        for k, a in enumerate(tensors)
     ]
     first = name not in _compile_seconds
     if first and not _compile_seconds:
@@ -384,7 +360,7 @@ def _run_compiled(name: str, z: torch.Tensor, *args):
     start = time.perf_counter()
     try:
         with torch.no_grad():  # as inside the autograd Functions: one grad mode, one compiled kernel
-            out = _compiled(name, torch.get_num_threads())(z, *compiled_args)
+            out = _compiled(name, torch.get_num_threads(), split)(z, *compiled_args)
     except Exception as error:  # a missing compiler, an inductor bug: the eager twin is exact too
         _compile_failed = True
         warnings.warn(f"torch_cutbce: torch.compile of the tile function failed ({error!r}); "
@@ -413,17 +389,17 @@ def grad(z: torch.Tensor, cw: torch.Tensor | None, g: torch.Tensor, out: torch.T
     _run("grad", z, cw, g, out)
 
 
-def focal_rows(z, cw, gamma: torch.Tensor) -> torch.Tensor:
+def focal_rows(z, cw, gamma: float) -> torch.Tensor:
     """`sum_v cw[v] sigmoid(z)^gamma softplus(z)` `[bn]`: the focal terms of the tile's negatives."""
     return _run("focal_rows", z, cw, gamma)
 
 
-def focal_rows_grad(z, cw, gamma: torch.Tensor, g: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def focal_rows_grad(z, cw, gamma: float, g: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """`focal_rows(z, cw, gamma)`, and writes `dz = g cw d term / dz` into `out`."""
     return _run("focal_rows_grad", z, cw, gamma, g, out)
 
 
-def focal_grad(z, cw, gamma: torch.Tensor, g: torch.Tensor, out: torch.Tensor) -> None:
+def focal_grad(z, cw, gamma: float, g: torch.Tensor, out: torch.Tensor) -> None:
     """Writes the focal `dz` for the row gradient `g` into `out`."""
     _run("focal_grad", z, cw, gamma, g, out)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from jax_kernels.neutral.shapes import accumulation_dtype_name
+from torch_cutbce import branch_math
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -85,8 +86,8 @@ def positive_terms(logits, ids, class_weight, pos_weight, g=None, focal=None):
 
     `loss = w softplus(-z)`, `dz = -g w sigmoid(-z)`, `w = cw pw`, at valid ids (`ids >= 0`), exactly
     0 elsewhere (`where`, not a product: a padded slot's undefined logit never leaks in). With a
-    `jax_kernels.neutral.focal.Focal`, the focal term of u = -z (`focal.py`) and `w = cw pw positive_scale`.
-    Weights are `[V]` or None; computed in `logits`' dtype.
+    `jax_kernels.neutral.focal.Focal`, the focal term of u = -z and `w = cw pw positive_scale`; the
+    math is `branch_math.branch_terms`'. Weights are `[V]` or None; computed in `logits`' dtype.
     """
     valid = ids >= 0
     index = ids.clamp(min=0)
@@ -97,22 +98,14 @@ def positive_terms(logits, ids, class_weight, pos_weight, g=None, focal=None):
             weight = w if weight is None else weight * w
     if focal is not None and focal.positive_scale != 1.0:
         weight = focal.positive_scale if weight is None else weight * focal.positive_scale
-    u = -logits  # the logit seen from the positive's label
-    log1p_e = torch.log1p(torch.exp(-u.abs()))
-    softplus = u.clamp(min=0) + log1p_e
-    focusing = None
-    if focal is not None and focal.gamma != 0.0:
-        focusing = torch.exp(-focal.gamma * ((-u).clamp(min=0) + log1p_e))  # sigmoid(u)^gamma
-    loss = softplus if focusing is None else focusing * softplus
+    gamma = None if focal is None or focal.gamma == 0.0 else focal.gamma
+    loss, slope = branch_math.branch_terms(logits, True, gamma)  # slope: d loss / dz
     if weight is not None:
         loss = loss * weight
     loss = torch.where(valid, loss, 0.0)
     if g is None:
         return loss, None
-    d_term = torch.sigmoid(u)  # d softplus(u) / du
-    if focusing is not None:
-        d_term = focusing * (focal.gamma * torch.sigmoid(-u) * softplus + d_term)
-    dz = d_term.neg_() * g.unsqueeze(-1)  # du / dz = -1
+    dz = slope * g.unsqueeze(-1)
     if weight is not None:
         dz = dz * weight
     return loss, torch.where(valid, dz, 0.0)

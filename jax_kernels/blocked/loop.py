@@ -12,7 +12,7 @@ loss never meets a softplus(z) it would cancel against (docs/design.md, 'The mat
   the gradients after the loop.
 
 Focal CutBCE (`focal`): the same two branches with softplus(u) and its slope replaced by focal's
-`term(u)` and `term'(u)` (u = z for a negative, -z at a positive; `positives.focal_terms`), times
+`term(u)` and `term'(u)` (u = z for a negative, -z at a positive; `branch_math.focal_terms`), times
 its class balance. Metrics: the tiles count their negatives with z > 0, the positives their hits.
 
 Three loops: forward; backward (recomputes each tile: four matmuls per tile in all); and
@@ -33,7 +33,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_kernels.blocked import negative_tile
-from jax_kernels.positives import accumulation_dtype, branch_terms
+from jax_kernels.branch_math import branch_terms
+from jax_kernels.positives import accumulation_dtype
 
 
 class _Table:

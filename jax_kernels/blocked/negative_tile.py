@@ -1,9 +1,9 @@
 """The blocked loop's negatives: each tile's loss rows and gradient with its positives taken out.
 
 `z [N, bv]` holds every logit of the tile with the row's positives at -inf (their loss and
-gradient are 0 here; blocked.py gives them their own branch). Every other element is a negative:
-loss `w softplus(z)`, gradient `g w sigmoid(z)` (or focal's terms), with `w [bv]` the tile's
-column weight. `NegativeTile(focal, cpu_kernel)` has
+gradient are 0 here; loop.py gives them their own branch). Every other element is a negative:
+loss `w softplus(z)`, gradient `g w sigmoid(z)` (or focal's terms; the math: `branch_math.py`),
+with `w [bv]` the tile's column weight. `NegativeTile(focal, cpu_kernel)` has
 
     rows(z, w)          -> sum_v w loss                   [N]
     rows_grad(z, w, g)  -> (rows, dz)                     dz may reuse z's buffer
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_kernels.neutral import cpu_tile_build, tile_choice
-from jax_kernels.positives import branch_terms
+from jax_kernels.branch_math import branch_terms
 
 @functools.cache
 def _ffi_registered() -> bool:
@@ -146,7 +146,7 @@ def _portable_grad(z, w, g, focal=None):
     return _tile_grad(z, branch_terms(z, False, focal)[1], w, g)
 
 
-# -- what blocked.py calls ----------------------------------------------------------------------------
+# -- what loop.py calls -------------------------------------------------------------------------------
 
 
 class NegativeTile:

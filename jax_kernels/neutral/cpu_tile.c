@@ -17,7 +17,7 @@
  * 10x slower. GCC/Clang vector extensions say the vector code outright, so every ISA gets it:
  * CUTBCE_LANES floats per vector from the target's widest float unit (16 with AVX-512, 8 with AVX,
  * 4 for SSE, NEON and anything else; a target without SIMD gets the same code lowered to scalars).
- * tests/test_l1_cpu_tile_isa.py checks the built code for x86-64-v3 and x86-64-v4.
+ * tests/test_neutral_cpu_tile_isa.py checks the built code for x86-64-v3 and x86-64-v4.
  *
  * Row sums: each lane adds CUTBCE_CHUNK elements in float32, then the lanes go into a double, so a
  * row of any width is within about CUTBCE_CHUNK float32 roundings of its exact sum (a float32
@@ -87,7 +87,10 @@ CUTBCE_INLINE cutbce_vf cutbce_exp_neg(cutbce_vf a) {
 }
 
 /* log1p(e) for e in [0, 1]: 2 atanh(t) = 2 t P(t^2), t = e / (2 + e) in [0, 1/3], relative error
- * 4e-9 (the same fit as torch_cutbce/fused_tile.py and jax_kernels/positives.py). */
+ * 4e-9: the same fit, coefficient for coefficient, as the two sister modules that hold every
+ * element's branch math, torch_cutbce/branch_math.py and jax_kernels/branch_math.py (this kernel is
+ * their plain-BCE third; tests/test_branch_math.py pins the three against float64 and checks the
+ * coefficients match). */
 CUTBCE_INLINE cutbce_vf cutbce_log1p_unit(cutbce_vf e) {
     cutbce_vf t = e / (2.0f + e);
     cutbce_vf s = t * t;

@@ -1,9 +1,8 @@
 """The `pallas_call`s of CutBCE's Pallas kernels: grids, BlockSpecs, scratch, cost estimates.
 
-Each builder takes the launcher's operands (`pallas.launch._prepare`: hidden padded to a tile
-multiple, the table as `[V, D]` or `[D, V]`, the optional `[1, V]` f32 rows, the ids) and its
-static options as keywords, plus `interpret`; `on_platform` picks `interpret` by the platform the
-computation is lowered for. The kernel bodies are in `pallas_kernels.py`.
+Each builder takes the launcher's operands (`launch._prepare`) and its static options as keywords,
+plus `interpret`; `on_platform` picks `interpret` by the platform the computation is lowered for
+(docs/toolchain.md, 'Pallas on a CPU'). The kernel bodies are in `kernels.py`.
 """
 
 from __future__ import annotations
@@ -75,7 +74,7 @@ def _cost(static, itemsize, *, matmuls, transcendentals, table_passes, token_pas
 
 
 def _focal_transcendentals(static):
-    """Per element, the exp of focal's modulating factor (`positives.focal_terms`): 1, or 0 plain."""
+    """Per element, the exp of focal's modulating factor (`branch_math.focal_terms`): 1, or 0 plain."""
     return 0 if static["focal"] is None else 1
 
 

@@ -15,10 +15,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
+from jax_kernels import branch_math
 from jax_kernels.pallas.block_sizes import LANES
-from jax_kernels.positives import focal_terms
 
 _NT = (((1,), (1,)), ((), ()))  # [a, k] x [b, k] -> [a, b]: contract both minor dims.
 _NN = (((1,), (0,)), ((), ()))  # [a, k] x [k, b] -> [a, b]: the plain matmul.
@@ -31,7 +30,7 @@ _STRIP = 8
 
 
 # ----------------------------------------------------------------------------------------------
-# Shared tile math (called inside kernels on loaded values).
+# Shared tile math (called inside kernels on loaded values; each element's terms: branch_math.py).
 
 
 def _precision(dtype):
@@ -143,22 +142,22 @@ def _signed(z, y):
     One exp per element serves both softplus(zs) and sigmoid(zs) (|zs| = |z|), never overflows,
     and never forms softplus(z) - z.
     """
-    e = jnp.exp(-jnp.abs(z))
+    e = branch_math.exp_neg_abs(z)
     return (z if y is None else jnp.where(y, -z, z)), e
 
 
 def _focal_terms(zs, e, focal):
-    """`(term(zs), term'(zs))` of the focal loss (jax_kernels/neutral/focal.py; zs is its u, the logit seen
-    from the element's label), or None for plain CutBCE: computed once per strip, shared by
+    """`(term(zs), term'(zs))` of the focal loss (`branch_math.focal_terms`; zs is its u, the logit
+    seen from the element's label), or None for plain CutBCE: computed once per strip, shared by
     `_element_loss` and `_dz_over_g`."""
-    return None if focal is None else focal_terms(zs, e, jnp.log1p(e), focal.gamma)
+    return None if focal is None else branch_math.focal_terms(zs, e, focal.gamma)
 
 
 def _element_loss(zs, e, wgt, terms=None):
-    """`wgt * softplus(zs)`, softplus(zs) = max(zs, 0) + log1p(e), e = exp(-|zs|) (docs/design.md ('The math')); `(zs, e)` from `_signed`.
+    """`wgt * softplus(zs)` (`branch_math.softplus`, the polynomial log1p); `(zs, e)` from `_signed`.
 
     With focal `terms` (`_focal_terms`): `wgt * term(zs)`."""
-    loss = jnp.maximum(zs, 0.0) + jnp.log1p(e) if terms is None else terms[0]
+    loss = branch_math.softplus(zs, e) if terms is None else terms[0]
     return loss if wgt is None else loss * wgt
 
 
@@ -169,8 +168,7 @@ def _dz_over_g(zs, e, y, wgt, terms=None):
     `cw * pw * (sigmoid(z) - 1)` at a positive and `cw * sigmoid(z)` elsewhere, as BCE gives.
     With focal `terms`, `term'(zs)` takes sigmoid(zs)'s place (the same sign rule).
     """
-    one = jnp.float32(1.0)
-    s = jnp.where(zs >= 0, one, e) / (one + e) if terms is None else terms[1]
+    s = branch_math.sigmoid(zs, e) if terms is None else terms[1]
     if y is not None:
         s = jnp.where(y, -s, s)
     return s if wgt is None else s * wgt
@@ -312,8 +310,9 @@ def d_item_kernel(*refs, flags, block_v, items_in_lanes, focal):
     def strip(rows):  # z_ref[rows] <- dz, in place
         y = _targets(None if ids_ref is None else ids_ref[rows, :], columns)
         # g arrives lane-replicated `[bn, 128]` (flash attention's layout for per-row scalars);
-        # repeating it along lanes gives the `[rows, bv]` row broadcast.
-        g = pltpu.repeat(g_ref[rows, :], block_v // LANES, axis=1)
+        # tiling it along lanes gives the `[rows, bv]` row broadcast (what `pltpu.repeat` did
+        # before jax 0.10 removed it).
+        g = jnp.tile(g_ref[rows, :], (1, block_v // LANES))
         zs, e = _signed(z_ref[rows, :], y)
         z_ref[rows, :] = _dz_over_g(zs, e, y, _weights(y, cw_row, pw_row, focal),
                                     _focal_terms(zs, e, focal)) * g

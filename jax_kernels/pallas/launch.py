@@ -15,34 +15,30 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jax_kernels.neutral.shapes import KERNEL_DTYPES, ArraySpec, check_arguments
 from jax_kernels.pallas.block_sizes import LANES, BlockSizes, default_block_sizes
 from jax_kernels.neutral.focal import Focal
 from jax_kernels.pallas.calls import d_hidden_call, d_item_call, forward_call, on_platform
 
-_SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+def _spec(x):
+    return None if x is None else ArraySpec(tuple(x.shape), jnp.dtype(x.dtype).name)
 
 
 def _check_inputs(hidden, item_weight, bias, class_weight, pos_weight, ids):
+    """The launchers run on their own too (tests, benchmarks): the entries' rules (`shapes`), plus
+    what the kernels add: one dtype of `KERNEL_DTYPES` for hidden and the table, and `[N, D]` hidden."""
     for name, x in (("hidden", hidden), ("item_weight", item_weight)):
-        if jnp.dtype(x.dtype) not in _SUPPORTED_DTYPES:
+        if jnp.dtype(x.dtype).name not in KERNEL_DTYPES:
             raise TypeError(
-                f"Pallas kernels take float32 or bfloat16 {name}, got {x.dtype}: "
-                "TPU has no float64 (use the blocked JAX path) and float16 should be cast to "
-                "bfloat16"
+                f"Pallas kernels take {' or '.join(KERNEL_DTYPES)} {name}, got {x.dtype}: TPU has no "
+                "float64 (use the blocked JAX path) and float16 should be cast to bfloat16"
             )
     if hidden.dtype != item_weight.dtype:
         raise TypeError(f"{hidden.dtype=} and {item_weight.dtype=} must match")
-    if hidden.ndim != 2 or item_weight.ndim != 2 or hidden.shape[1] != item_weight.shape[1]:
-        raise ValueError(f"expected hidden [N, D] and item_weight [V, D], got "
-                         f"{hidden.shape} and {item_weight.shape}")
-    v = item_weight.shape[0]
-    for name, x in (("bias", bias), ("class_weight", class_weight), ("pos_weight", pos_weight)):
-        if x is not None and x.shape != (v,):
-            raise ValueError(f"{name} must have shape [V] = ({v},), got {x.shape}")
-    if ids.ndim != 2 or ids.shape[0] != hidden.shape[0]:
-        raise ValueError(f"ids must have shape [N, L] with N = {hidden.shape[0]}, got {ids.shape}")
-    if not jnp.issubdtype(ids.dtype, jnp.integer):
-        raise TypeError(f"ids must be integer, got {ids.dtype}")
+    if hidden.ndim != 2:
+        raise ValueError(f"hidden must have shape [N, D], got {hidden.shape}")
+    check_arguments(_spec(hidden), _spec(item_weight), _spec(ids), _spec(bias), None, _spec(class_weight),
+                    _spec(pos_weight))
 
 
 def _items_in_lanes(d):
@@ -105,7 +101,7 @@ def pallas_forward(
         compute_counts: also count, per row, the items with `z > 0` and the positives among them.
         block_sizes: tiles and VMEM limit; None derives them from the chip (`default_block_sizes`).
         focal: a `jax_kernels.neutral.focal.Focal`: each element's softplus(zs) becomes the focal
-            `term(zs)`, scaled by its class balance (`positives.focal_terms`); None: plain.
+            `term(zs)`, scaled by its class balance (`branch_math.focal_terms`); None: plain.
 
     Returns:
         `rows` `[N]` float32, `sum_v cw * (pw * softplus(-z) if y else softplus(z))`; and, when

@@ -24,6 +24,8 @@ import exact_rows_cases as cases
 from parity import assert_close
 import torch_cutbce as tc
 
+pytestmark = [pytest.mark.rung1, pytest.mark.rung2, pytest.mark.rung3]
+
 try:
     # At import, before any backward: autograd's engine sizes its per-device queues when it first
     # runs, by the device count each backend reports then; torch_xla reports its devices once its
@@ -62,9 +64,10 @@ def run_jax(name, dtype, **kwargs):
     import jax.numpy as jnp
 
     import jax_kernels
+    from parity import enable_x64
 
     case = CASES[name]
-    with jax.experimental.enable_x64(dtype == "float64"):
+    with enable_x64(dtype == "float64"):
         a = lambda x: jnp.asarray(x, dtype)  # noqa: E731
         pos_weight = None if case["pos_weight"] is None else a(case["pos_weight"])
         targets = jnp.asarray(case["targets"], jnp.int32)
@@ -135,7 +138,7 @@ def worker_results(tmp_path_factory):
         # The core-only environment (torch 2.13, no extras): there a gloo rank has aborted now and
         # then ("terminate called without an active exception"; intermittent, not reproduced alone;
         # the ranks now end with a barrier and os._exit). vocab-parallel is still checked there by
-        # tests/test_l3_sharded_torch.py, which retries such an abort once.
+        # tests/test_torch_sharded.py, which retries such an abort once.
         pytest.skip("the vocab-parallel worker runs in the full environment only (a rank aborts under torch 2.13)")
     out = tmp_path_factory.mktemp("exact_rows") / "results.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]),

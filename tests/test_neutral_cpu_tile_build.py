@@ -20,6 +20,8 @@ import pytest
 
 from jax_kernels.neutral import cpu_tile_build
 
+pytestmark = pytest.mark.rung1
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # A fresh process: builds (or loads) the kernel from the cache given, runs the loss through it and

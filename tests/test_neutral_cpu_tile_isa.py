@@ -29,6 +29,7 @@ pytestmark = pytest.mark.skipif(
     platform.machine() not in ("x86_64", "AMD64") or shutil.which("objdump") is None,
     reason="the ISA checks compile for x86-64 levels and read the code with objdump",
 )
+pytestmark = [pytestmark, pytest.mark.rung1]
 
 LEVELS = {"x86-64-v3": ("ymm", 8, "avx2"), "x86-64-v4": ("zmm", 16, "avx512f")}
 SOURCE = Path(cpu_tile_build.__file__).with_name("cpu_tile.c")

@@ -8,16 +8,15 @@ shapes that compile in seconds. The compile test is skipped without `.venv/libtp
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-from benchmarks import tpu_hbm  # a namespace package: the repository root is on pytest's pythonpath
+from benchmarks import tpu_compile, tpu_hbm  # a namespace package: the repository root is on pytest's pythonpath
 from parity import assert_close
 
-ROOT = Path(__file__).resolve().parents[1]
-OVERLAY = ROOT / ".venv" / "libtpu-overlay"
+pytestmark = pytest.mark.rung2
+
+OVERLAY = tpu_compile.OVERLAY
 
 
 

@@ -22,6 +22,8 @@ import torch
 from parity import assert_close
 from torch_cutbce import cut_bce_with_logits, dense_bce_with_logits, fused_tile, ops
 
+pytestmark = pytest.mark.rung1
+
 N_SEQ, LENGTH, V, D, L = 4, 9, 301, 16, 3
 BLOCK_V = 128
 

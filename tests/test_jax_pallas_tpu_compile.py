@@ -27,11 +27,10 @@ pytest.importorskip("jax", reason="needs jax: pip install 'torch-cutbce[jax]' (a
 import _tpu_compile_worker as worker  # noqa: E402
 from benchmarks import tpu_compile  # noqa: E402
 
-pytestmark = pytest.mark.tpu_compile
+pytestmark = [pytest.mark.tpu_compile, pytest.mark.rung2]
 
 TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parent
-OVERLAY = ROOT / ".venv" / "libtpu-overlay"
+OVERLAY = tpu_compile.OVERLAY  # .venv/libtpu-overlay (.venv-jax/libtpu-overlay under ci/jax_newest.sh)
 PROGRAMS = ("forward", "backward", "value_and_grad", "cut_bce_value_and_grad")
 
 

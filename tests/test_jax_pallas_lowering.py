@@ -28,6 +28,8 @@ from jax_kernels.pallas.launch import (  # noqa: E402
     pallas_value_and_grad,
 )
 
+pytestmark = pytest.mark.rung2
+
 NS = (1000, 8192)
 VS = (1000, 100000, 876939)
 DS = (64, 96, 256)
@@ -104,7 +106,7 @@ def test_every_variant_lowers(dtype):
 def test_lowers_under_x64(dtype):
     """The session runs with x64 off, as users do; with x64 on, the kernels must still lower (their
     constants and indices are typed: Python floats and ints would become float64 / int64)."""
-    from jax.experimental import enable_x64
+    from parity import enable_x64
 
     with enable_x64(True):
         texts = lower_all(300, 1000, 72, dtype, BlockSizes(block_n=128, block_v=256), bias=True,

@@ -1,7 +1,7 @@
 """Rung L1 (torch): the native chunked autograd.Function against the float64 dense oracle.
 
 The oracle is `dense_bce_with_logits` (torch's binary_cross_entropy_with_logits on materialized
-logits, pinned down in test_l0_reference.py) run in float64 on the very values the fast path sees.
+logits, pinned down in test_reference.py) run in float64 on the very values the fast path sees.
 Every comparison covers the loss, every gradient autograd is asked for (with a random,
 non-uniform upstream gradient) and the TP/FP/FN/TN counts.
 """
@@ -21,6 +21,8 @@ from parity import (
 from torch_cutbce import (
     CutBCEWithLogitsLoss, cut_bce_with_logits, dense_bce_with_logits, ids_to_multi_hot, multi_hot_to_ids,
 )
+
+pytestmark = pytest.mark.rung1
 
 # N = 15 positions, V = 37 items, block_v = 8: a ragged last tile.
 LEAD_SHAPE, NUM_ITEMS, HIDDEN_SIZE, NUM_SLOTS, BLOCK_V = (3, 5), 37, 8, 5, 8

@@ -15,7 +15,7 @@ import torch_cutbce as tc  # noqa: E402
 from parity import assert_close, jax_x64  # noqa: E402
 from torch_cutbce import xla_bridge  # noqa: E402
 
-pytestmark = pytest.mark.xla
+pytestmark = [pytest.mark.xla, pytest.mark.rung3]
 
 N, V, D, L = 45, 301, 12, 5  # odd on purpose: no block divides them
 BLOCK_V = 128

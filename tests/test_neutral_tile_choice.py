@@ -1,8 +1,8 @@
 """Which float32 CPU tile runs: the candidate measured fastest, cached per machine, forced by
 `TORCH_CUTBCE_TILE`; with injected timings, so nothing here depends on the machine's speed.
 
-Every candidate computes the same tile to the same tolerance (tests/test_l1_cpu_tile.py and the
-wide-row checks of tests/test_l1_exact_row_sums.py), so the choice only moves time.
+Every candidate computes the same tile to the same tolerance (tests/test_neutral_cpu_tile.py and the
+wide-row checks of tests/test_neutral_cpu_tile_row_sums.py), so the choice only moves time.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import torch
 
 from jax_kernels.neutral import tile_choice
 from torch_cutbce import fused_tile
+
+pytestmark = pytest.mark.rung1
 
 
 def _fake(ms, calls, name):

@@ -27,6 +27,8 @@ import torch_cutbce as tc
 from parity import TOLERANCES, assert_close, make_inputs, make_upstream, run_torch, select
 from torch_cutbce.vocab_parallel import VocabParallelOptions
 
+pytestmark = pytest.mark.rung3
+
 TESTS = Path(__file__).resolve().parent
 TOL = TOLERANCES["float32"]
 # The worker's cases (not imported from it: it imports torch_xla, which the spawned ranks need not).

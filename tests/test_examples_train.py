@@ -23,7 +23,7 @@ for _module in ("tqdm", "matplotlib"):  # the training script's progress bar and
 from examples import config, data, train  # noqa: E402
 
 if importlib.util.find_spec("torch_xla") is not None:
-    # Start torch_xla's runtime before any backward, as test_ladder_exact_rows.py does: autograd sizes its
+    # Start torch_xla's runtime before any backward, as test_all_exact_rows.py does: autograd sizes its
     # per-device queues at its first backward, and an XLA backward after a CPU one in a process
     # that had not started torch_xla then fails an internal assert.
     import torch_xla
@@ -31,6 +31,8 @@ if importlib.util.find_spec("torch_xla") is not None:
     torch_xla.device()
 from examples.bert4rec import BERT4Rec  # noqa: E402
 from examples.sasrec import RecConfig, SASRec  # noqa: E402
+
+pytestmark = pytest.mark.rung4
 
 MODELS = {"sasrec": SASRec, "bert4rec": BERT4Rec}
 

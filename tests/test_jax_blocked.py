@@ -1,8 +1,9 @@
 """Rung L1 (JAX): the blocked pure-JAX implementation against the float64 dense oracle.
 
 The oracle is the parity ladder's (docs/design.md): torch's binary_cross_entropy_with_logits on materialized logits in
-float64 (`dense_bce_with_logits`, equal to `jax_kernels.dense_cut_bce` by test_l0_reference.py, and
-free of JAX compilations), on the very values the fast path sees. bfloat16's same-dtype reference
+float64 (`dense_bce_with_logits`, equal to `jax_kernels.dense_cut_bce` by test_reference.py, and
+free of JAX compilations), on the very values the fast path sees; without torch (the JAX-only
+environment of ci/jax_newest.sh) `dense_cut_bce` in float64 (`parity.float64_truth`). bfloat16's same-dtype reference
 is `jax_kernels.dense_cut_bce(compute_dtype=bfloat16)`. Gradients come from `jax.vjp` with random,
 non-uniform cotangents. The last tests put torch's native path and this one side by side.
 
@@ -25,10 +26,11 @@ import numpy as np  # noqa: E402
 
 import jax_kernels  # noqa: E402
 from parity import (  # noqa: E402
-    DTYPES, GRADS, OPTION_SETS, OPTIONAL, REDUCTIONS, assert_close, check_against_oracle, jax_x64, make_inputs,
-    make_upstream, run_jax, run_torch, select,
+    DTYPES, GRADS, OPTION_SETS, OPTIONAL, REDUCTIONS, assert_close, check_against_oracle, float64_truth, jax_x64,
+    make_inputs, make_upstream, needs_torch, run_jax, run_torch, select,
 )
-from torch_cutbce import cut_bce_with_logits, dense_bce_with_logits  # noqa: E402
+
+pytestmark = pytest.mark.rung1
 
 # N = 15 positions, V = 37 items, block_v = 8: a ragged last tile.
 LEAD_SHAPE, NUM_ITEMS, HIDDEN_SIZE, NUM_SLOTS, BLOCK_V = (3, 5), 37, 8, 5, 8
@@ -117,8 +119,7 @@ def test_under_jit_with_static_options(reduction):
         out = run_jax(jitted, inputs, dtype="float32", upstream=make_upstream(reduction, LEAD_SHAPE, seed=24),
                       reduction=reduction, block_v=BLOCK_V)
         assert_close(out, eager, dtype="float32", name="jit vs eager")
-    truth = run_torch(dense_bce_with_logits, inputs, dtype="float64",
-                      upstream=make_upstream(reduction, LEAD_SHAPE, seed=24), reduction=reduction)
+    truth = float64_truth(inputs, upstream=make_upstream(reduction, LEAD_SHAPE, seed=24), reduction=reduction)
     assert_close(out, truth, dtype="float32", name="jit vs oracle")
 
 
@@ -157,7 +158,7 @@ def test_nan_in_hidden_propagates():
     inputs["hidden"][1, 2, 3] = np.nan
     upstream = make_upstream("none", LEAD_SHAPE, seed=28)
     fast = run_jax(blocked, inputs, dtype="float64", upstream=upstream, reduction="none", block_v=BLOCK_V)
-    truth = run_torch(dense_bce_with_logits, inputs, dtype="float64", upstream=upstream, reduction="none")
+    truth = float64_truth(inputs, upstream=upstream, reduction="none")
     for key in ("loss", "d_hidden", "d_item_weight"):
         np.testing.assert_array_equal(np.isnan(fast[key]), np.isnan(truth[key]), err_msg=key)
     assert np.isnan(fast["loss"][1, 2]) and np.isfinite(np.delete(fast["loss"].ravel(), 7)).all()
@@ -216,9 +217,12 @@ def test_scalar_loss_gradient_takes_one_pass_over_the_items(reduction):
 
 
 def native(*args, **kwargs):
+    from torch_cutbce import cut_bce_with_logits
+
     return cut_bce_with_logits(*args, backend="native", **kwargs)
 
 
+@needs_torch
 @pytest.mark.parametrize("options", ["plain", "all"])
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_torch_native_matches_jax_blocked(options, reduction):

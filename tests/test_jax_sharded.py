@@ -3,9 +3,11 @@
 The multi-device checks need 8 CPU devices, fixed when JAX's backend starts, so they run once in a
 subprocess (`_sharded_worker.py`, launched with the device count set) and the tests here assert on
 its report: loss, metrics and every gradient on 1x8, 2x4 and 8x1 meshes (and 1-D, tuple-axis,
-caller-padded-table and Pallas-kernel layouts), V and N divisible by no shard count, every reduction,
-relative error <= 1e-5 (float32); the compiled HLO's collectives: the same count for block_v 64 and
-512, none inside a loop; and the Pallas version of the sharded step exported for TPU.
+caller-padded-table and Pallas-kernel layouts), meshes with Auto, Explicit and mixed axis types, V
+and N divisible by no shard count, every reduction, relative error <= 1e-5 (float32); the mesh
+inferred from placed inputs, each gradient placed as its input; the compiled HLO's collectives: the
+same count for block_v 64 and 512, none inside a loop; and the Pallas version of the sharded step
+exported for TPU (these two on `jax.make_mesh`'s default axis types, Explicit since jax 0.8.1).
 The argument checks and a one-device mesh run in this process.
 """
 
@@ -30,6 +32,8 @@ import jax_kernels  # noqa: E402
 from jax_kernels.sharded import ShardedLayout, infer_mesh  # noqa: E402
 from jax_kernels.core import CutBCEConfig  # noqa: E402
 from parity import TOLERANCES, assert_close, jax_x64  # noqa: E402
+
+pytestmark = pytest.mark.rung3
 
 TESTS = Path(__file__).resolve().parent
 TOL = TOLERANCES["float32"]
@@ -60,12 +64,23 @@ def test_sharded_equals_single_device(report, case):
     assert errors[worst] <= TOL, f"{case}: worst relative error {errors[worst]:.3g} at {worst}; all: {errors}"
 
 
-def test_mesh_inferred_from_named_shardings(report):
-    result = report["inference"]
+@pytest.mark.parametrize("axis_types", worker.INFERENCE_AXIS_TYPES)
+def test_mesh_inferred_from_named_shardings(report, axis_types):
+    result = report["inference"][axis_types]
     assert result["concrete_mesh_inferred"]
     for key in ("jit_loss", "jit_d_hidden", "jit_d_item_weight"):
         assert result[key] <= TOL, result
-    assert result["d_item_weight_spec"] == "PartitionSpec('model',)"  # the table's gradient stays sharded
+    # Each gradient keeps its input's placement: the table's stays sharded along V.
+    assert result["d_hidden_spec"] == ["data"] and result["d_item_weight_spec"] == ["model"], result
+
+
+def test_explicit_mesh_eagerly_and_under_set_mesh(report):
+    result = report["explicit_entries"]
+    for key in ("eager", "set_mesh_plain", "set_mesh_placed"):
+        assert result[key] <= TOL, result
+    # reduction='none': the rows are sharded as the positions were (replicated inputs: replicated).
+    assert result["eager_spec"] == result["set_mesh_placed_spec"] == ["data"], result
+    assert result["set_mesh_plain_spec"] == [], result
 
 
 def test_collectives_hoisted_out_of_the_tile_loop(report):
@@ -78,7 +93,7 @@ def test_collectives_hoisted_out_of_the_tile_loop(report):
     # rows+counts and d_hidden over 'model', d_item_weight and d_bias over 'data', the loss and the
     # counts' sums over 'data'. Never a gather of the table.
     assert set(small["counts"]) == {"all-reduce"} and small["counts"]["all-reduce"] <= 6, small["counts"]
-    assert small["d_item_weight_spec"] == "PartitionSpec('model',)"
+    assert small["d_item_weight_spec"] == ["model"], small
 
 
 def test_pallas_sharded_step_lowers_for_tpu_with_the_same_collectives(report):
@@ -126,9 +141,10 @@ def x64():
         yield
 
 
-def test_one_device_mesh_float64_matches_cut_bce(x64):
+@pytest.mark.parametrize("axis_types", ["auto", "explicit"])
+def test_one_device_mesh_float64_matches_cut_bce(x64, axis_types):
     inputs = _inputs(np.float64)
-    mesh = jax.make_mesh((1, 1), ("data", "model"))
+    mesh = worker.make_mesh((1, 1), ("data", "model"), axis_types)
     kwargs = dict(weight=inputs["weight"], class_weight=jnp.asarray(inputs["class_weight"]),
                   pos_weight=jnp.asarray(inputs["pos_weight"]), reduction="none", return_metrics=True,
                   block_v=8)
@@ -168,6 +184,27 @@ def test_argument_errors():
         jax_kernels.cut_bce(args[0], args[1], bad, mesh=mesh)
     with pytest.raises(ValueError, match="not an axis"):
         ShardedLayout(mesh, "model", "batch", CutBCEConfig(block_v=8))
+
+
+def test_explicit_mesh_under_another_context_mesh_is_an_error():
+    inputs = _inputs()
+    mesh = worker.make_mesh((1, 1), ("data", "model"), "explicit")
+    with jax.set_mesh(worker.make_mesh((1, 1), ("rows", "items"), "explicit")):
+        with pytest.raises(ValueError, match=r"inside jax.set_mesh of another mesh .*Explicit axes \('data', 'model'\)"):
+            jax_kernels.cut_bce(inputs["hidden"], inputs["item_weight"], inputs["targets"], mesh=mesh)
+
+
+def test_manual_axes_are_an_error():
+    """Inside the caller's own shard_map the mesh's axes are Manual: cut_bce(mesh=) cannot nest."""
+    inputs = _inputs()
+    mesh = worker.make_mesh((1, 1), ("data", "model"), "auto")
+
+    def body(hidden):
+        return jax_kernels.cut_bce(hidden, inputs["item_weight"], inputs["targets"], mesh="infer")
+
+    spec = jax.sharding.PartitionSpec()
+    with pytest.raises(ValueError, match=r"Manual axes \('data', 'model'\)"):
+        jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)(jnp.asarray(inputs["hidden"]))
 
 
 def test_infer_mesh_reads_named_sharding_and_ignores_plain_arrays():

@@ -26,6 +26,7 @@ from parity import TOLERANCES, assert_close
 from torch_cutbce import fused_tile
 
 pytestmark = pytest.mark.skipif(fused_tile._cpu_library() is None, reason="no C compiler: the kernel is not built")
+pytestmark = [pytestmark, pytest.mark.rung1]
 
 
 @pytest.fixture(autouse=True)

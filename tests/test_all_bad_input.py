@@ -22,15 +22,17 @@ import torch
 from parity import assert_close, to_numpy
 from torch_cutbce import CutBCEWithLogitsLoss, cut_bce_with_logits, ids_to_multi_hot
 
+pytestmark = [pytest.mark.rung0, pytest.mark.rung1, pytest.mark.rung2]
+
 # The JAX entries need the [jax] extra. Without jax they carry the `jax` mark and skip (conftest.py)
 # while the torch entries run; with jax, any import error below still fails the module.
 HAVE_JAX = importlib.util.find_spec("jax") is not None
 if HAVE_JAX:
     import jax
     import jax.numpy as jnp
-    from jax.experimental import enable_x64
 
     import jax_kernels
+    from parity import enable_x64
 
 ENTRY_NAMES = ("torch-native", "torch-dense", "torch-module", "jax-blocked", "jax-dense")
 TORCH_ENTRIES = ENTRY_NAMES[:3]
@@ -154,7 +156,7 @@ CASES = {
         rf"hidden must be a floating-point array of dtype {FLOATS}, got dtype int32"),
     "integer-item_weight": ({"item_weight": np.zeros((7, 4), np.int32)}, TypeError,
         rf"item_weight must be a floating-point array of dtype {FLOATS}, got dtype int32"),
-    # (hidden and item_weight of different float dtypes are valid: promoted, tests/test_l1_torch_toolchain.py)
+    # (hidden and item_weight of different float dtypes are valid: promoted, tests/test_torch_toolchain.py)
     "integer-weight": ({"weight": np.ones((2, 3), np.int32)}, TypeError,
         rf"weight must be a floating-point array of dtype {FLOATS}, got dtype int32"),
     "complex-bias": ({"bias": Zeros((7,), "complex64")}, TypeError,

@@ -216,7 +216,7 @@ def test_pallas_exact_as_dense(jax_kernels, spec):
 @budget(12, shrink=False)
 @given(spec=small_specs(dtypes=JAX_DTYPES, ids="any"), jit=st.booleans(), impl=st.sampled_from(("blocked", "pallas")))
 def test_jax_refuses_bad_input(jax_kernels, spec, jit, impl):
-    assume(impl != "pallas" or spec.dtype != "float64")  # Pallas refuses float64 (tests/test_ladder_bad_input.py)
+    assume(impl != "pallas" or spec.dtype != "float64")  # Pallas refuses float64 (tests/test_all_bad_input.py)
     mutations = [m for m in JAX_MUTATIONS if not (jit and m in ID_MUTATIONS)]  # traced ids: property C
     check_refused(lambda ex, i, o, m: jax_results(ex, jit=jit, inputs=i, options=o, impl=impl), spec, mutations)
 

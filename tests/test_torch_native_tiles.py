@@ -1,6 +1,6 @@
 """The native path's fast pieces: compiled tile functions and gradients computed in the forward.
 
-- Every float32 tile function, from the CPU kernel (tests/test_l1_cpu_tile.py has its own
+- Every float32 tile function, from the CPU kernel (tests/test_neutral_cpu_tile.py has its own
   suite), from `torch.compile` (what runs without the kernel) and from the eager twin, on odd tile
   shapes, with and without class weights; the logits tile is left untouched and dz lands in `out`.
 - The polynomial log1p against float64 log1p over the whole range it is used on.
@@ -20,7 +20,9 @@ import pytest
 import torch
 
 from parity import assert_close, make_inputs, make_upstream, run_torch, select
-from torch_cutbce import cut_bce_with_logits, dense_bce_with_logits, fused_tile, positives
+from torch_cutbce import branch_math, cut_bce_with_logits, dense_bce_with_logits, fused_tile, positives
+
+pytestmark = pytest.mark.rung1
 
 TILE_SHAPES = [(67, 301), (8, 16), (3, 9), (129, 64)]  # ragged vector tails, tiny, a lane-exact width
 LEAD_SHAPE, NUM_ITEMS, HIDDEN_SIZE, NUM_SLOTS = (5, 13), 301, 16, 6  # N = 65, V = 301
@@ -128,13 +130,13 @@ def test_tile_positives_take_out_and_positive_terms_are_exact(dtype):
 
 def test_polynomial_log1p_is_float32_exact():
     e = torch.cat([torch.logspace(-45, 0, 20001, dtype=torch.float64), torch.linspace(0, 1, 20001, dtype=torch.float64)])
-    approx = fused_tile._log1p_unit(e)  # evaluated in float64: the fit's own error, not float32 rounding
+    approx = branch_math.log1p_unit(e)  # evaluated in float64: the fit's own error, not float32 rounding
     relative = ((approx - torch.log1p(e)).abs() / torch.log1p(e).clamp_min(1e-300)).max()
     assert relative < 1e-8, float(relative)
     # In float32, against log1p of the same float32 inputs, over the normal range (below 1.2e-38 the
     # inputs themselves are subnormal; there the term is < 1e-38 absolute, invisible in any loss).
     e32 = e.float()[e.float() >= torch.finfo(torch.float32).tiny]
-    approx32, exact = fused_tile._log1p_unit(e32).double(), torch.log1p(e32.double())
+    approx32, exact = branch_math.log1p_unit(e32).double(), torch.log1p(e32.double())
     assert ((approx32 - exact).abs() / exact).max() < 4 * torch.finfo(torch.float32).eps
 
 

@@ -42,6 +42,8 @@ from jax_kernels.pallas.launch import (  # noqa: E402
 
 from parity import assert_close, jax_x64  # noqa: E402
 
+pytestmark = pytest.mark.rung2
+
 # The parity rule (tests/parity.py, one tolerance table): float32 rows within the float32 tolerance
 # of the float64 truth, each row on its own (`elementwise`); gradients relative to the tensor's
 # largest entry; bfloat16 no worse than a dense bfloat16 computation plus the bfloat16 tolerance.

@@ -27,6 +27,8 @@ from parity import TOLERANCES
 from torch_cutbce import cut_bce_with_logits, fused_tile
 from torch_cutbce.reference import dense_bce_with_logits
 
+pytestmark = pytest.mark.rung1
+
 WIDE = 2**22
 LOGITS = (-8.0, -2.0, 0.3)
 

@@ -191,6 +191,6 @@ def test_opcheck_native_ops(name):
     # Not test_aot_dispatch_dynamic: the one-pass backward scales its saved gradients in place
     # (mul_, once: a second backward raises), which that check's functionalized graph rejects
     # ("Node mul was invalid, but is output"), as before the options; torch.compile of the
-    # whole loss is tests/test_l1_torch_toolchain.py's.
+    # whole loss is tests/test_torch_toolchain.py's.
     torch.library.opcheck(ops._loss, loss_args, test_utils=("test_schema", "test_autograd_registration",
                                                             "test_faketensor"))

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 OVERLAY = ROOT / ".venv" / "libtpu-overlay"
 
 pytestmark = [
-    pytest.mark.tpu_compile,
+    pytest.mark.tpu_compile, pytest.mark.rung3,
     pytest.mark.skipif(not (OVERLAY / "libtpu").is_dir(), reason=f"{OVERLAY} is missing: run ci/setup.sh"),
 ]
 

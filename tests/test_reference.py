@@ -19,6 +19,8 @@ from parity import (
 )
 from torch_cutbce import dense_bce_with_logits, ids_to_multi_hot
 
+pytestmark = pytest.mark.rung0
+
 # The JAX reference needs the [jax] extra: without jax the cases marked `jax` skip (conftest.py) and
 # the torch ones run; with jax, any import error below still fails the module.
 if importlib.util.find_spec("jax") is not None:

@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# The JAX suite on the newest JAX of the [jax] extra's tested range (pyproject.toml), in .venv-jax:
+# Python 3.12 (jax 0.12 needs it), exactly the versions of ci/jax-newest-constraints.txt, and no
+# torch (PyPI's torch is a CUDA build of several GB): the float64 oracle is then
+# jax_kernels.dense_cut_bce and the comparisons with torch's paths skip (tests/parity.py).
+# Builds .venv-jax the first time, and again only when that file or this script changed (a stamp,
+# as ci/setup.sh). .venv (jax 0.7.1) runs the same tests in ci/test.sh.
+#
+# With no arguments, a lean selection for CI. Measured on the shared 2-core host (other jobs
+# running, load 3-4): the build 1 min 14 s (1.3 GB, libtpu 640 MB of it), the run 6 min 1 s.
+#   - the blocked engine against the float64 oracle: every option in float64 and float32, under jit,
+#     the one-pass gradient, mixed dtypes (blocked and Pallas);
+#   - the Pallas kernels in interpret mode, forward and backward, float32 and bfloat16;
+#   - the sharded path on 8 simulated devices (Auto, Explicit and make_mesh's default meshes);
+#   - the compile-only TPU build of every kernel variant for one chip (v5e) with the libtpu
+#     jax[tpu] pins, in .venv-jax/libtpu-overlay (tests/_tpu_compile_worker.py).
+# Arguments go to pytest in place of that selection, e.g. all four chips:
+#   bash ci/jax_newest.sh tests/test_jax_pallas_tpu_compile.py
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python312() {
+  if [ -n "${PYTHON:-}" ]; then echo "$PYTHON"; return; fi
+  if python3.12 -c '' 2>/dev/null; then command -v python3.12; return; fi
+  # pyenv's shim names python3.12 but runs it only where a 3.12 is selected.
+  if command -v pyenv >/dev/null; then
+    local version
+    version=$(pyenv versions --bare | grep -E '^3\.12(\.|$)' | tail -1)
+    if [ -n "$version" ]; then PYENV_VERSION=$version pyenv which python3.12; return; fi
+  fi
+  echo "ci/jax_newest.sh: needs Python 3.12; set PYTHON=/path/to/python3.12" >&2
+  exit 1
+}
+
+# pip on these machines warns about local mirror folders it skips; keep real errors visible.
+pip_quiet() {
+  .venv-jax/bin/python -m pip install -q --disable-pip-version-check "$@" 2>&1 | { grep -v "is ignored" || true; } >&2
+}
+
+stamp=.venv-jax/.cutbce-jax-newest-stamp
+want=$(cat ci/jax-newest-constraints.txt ci/jax_newest.sh | sha256sum | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "[jax-newest] building .venv-jax (first time: about a minute and 1.3 GB, libtpu included)" >&2
+  [ -x .venv-jax/bin/python ] || "$(python312)" -m venv .venv-jax
+  pip_quiet -c ci/jax-newest-constraints.txt jax jaxlib flatbuffers numpy pytest hypothesis
+  # libtpu in a folder of its own, as ci/setup.sh does for .venv: only the compile-only processes
+  # put it on PYTHONPATH (benchmarks/tpu_compile.py finds it beside the running environment).
+  overlay=.venv-jax/libtpu-overlay
+  rm -rf "$overlay"
+  pip_quiet --no-deps --target "$overlay" -c ci/jax-newest-constraints.txt libtpu
+  echo "$want" > "$stamp"
+fi
+.venv-jax/bin/python -c 'import jax, sys; print(f"[jax-newest] Python {sys.version.split()[0]}, jax {jax.__version__}")' >&2
+
+pytest=(.venv-jax/bin/python -m pytest -q -p no:cacheprovider --durations=10)
+if [ "$#" -gt 0 ]; then
+  exec "${pytest[@]}" "$@"
+fi
+
+# Compile-only, one chip: the worker of tests/test_jax_pallas_tpu_compile.py in its environment. It runs
+# beside pytest (each mostly keeps one core busy) and reports after it.
+compile_only() {
+  .venv-jax/bin/python - <<'EOF'
+import json, subprocess, sys, tempfile
+from pathlib import Path
+
+from benchmarks import tpu_compile
+
+assert tpu_compile.overlay_ready(), f"{tpu_compile.OVERLAY} is missing"
+out = Path(tempfile.mkdtemp()) / "records.json"
+proc = subprocess.run([sys.executable, "tests/_tpu_compile_worker.py", str(out), "v5e"],
+                      env=tpu_compile.child_env(Path("tests").resolve()), capture_output=True, text=True,
+                      timeout=900)
+if proc.returncode != 0:
+    sys.exit(f"[jax-newest] compile-only worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+records = json.loads(out.read_text())
+failed = [(r["what"], r["dtype"], r.get("options"), r["error"][:400]) for r in records if r["error"]]
+print(f"[jax-newest] compile-only for v5e: {len(records)} programs, {len(failed)} failed")
+for f in failed:
+    print("  ", f)
+sys.exit(1 if failed else 0)
+EOF
+}
+compile_log=$(mktemp)
+compile_only > "$compile_log" 2>&1 &
+compile_pid=$!
+
+# pytest's -k takes one line: the selection above, joined with 'or'.
+selection=(
+  "(matches_oracle and (float64 or float32) and all)" jit one_pass value_and_grad mixed_dtypes  # blocked
+  float32_matches_float64_oracle bfloat16_no_worse single_item_confident                      # Pallas
+  test_jax_sharded                                                                             # sharded
+)
+keywords=$(printf ' or %s' "${selection[@]}")
+status=0
+"${pytest[@]}" tests/test_jax_blocked.py tests/test_jax_pallas.py tests/test_jax_sharded.py -k "${keywords# or }" \
+  || status=$?
+compile_status=0
+wait "$compile_pid" || compile_status=$?
+cat "$compile_log"
+rm -f "$compile_log"
+exit $(( status != 0 ? status : compile_status ))
