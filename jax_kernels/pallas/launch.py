@@ -37,8 +37,13 @@ def _check_inputs(hidden, item_weight, bias, class_weight, pos_weight, ids):
         raise TypeError(f"{hidden.dtype=} and {item_weight.dtype=} must match")
     if hidden.ndim != 2:
         raise ValueError(f"hidden must have shape [N, D], got {hidden.shape}")
-    check_arguments(_spec(hidden), _spec(item_weight), _spec(ids), _spec(bias), None, _spec(class_weight),
-                    _spec(pos_weight))
+    # The launchers take deduplicated `ids`, not the entries' `targets`: their checks name them.
+    if len(ids.shape) != 2 or ids.shape[0] != hidden.shape[0]:
+        raise ValueError(f"ids must have shape [N, L] with N = {hidden.shape[0]}, got {ids.shape}")
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise TypeError(f"ids must be integer, got {ids.dtype}")
+    check_arguments(_spec(hidden), _spec(item_weight), ArraySpec(tuple(ids.shape), "int32"), _spec(bias), None,
+                    _spec(class_weight), _spec(pos_weight))
 
 
 def _items_in_lanes(d):
