@@ -3,9 +3,10 @@
 The oracle is the parity ladder's (docs/design.md): torch's binary_cross_entropy_with_logits on materialized logits in
 float64 (`dense_bce_with_logits`, equal to `jax_kernels.dense_cut_bce` by test_reference.py, and
 free of JAX compilations), on the very values the fast path sees; without torch (the JAX-only
-environment of ci/jax_newest.sh) `dense_cut_bce` in float64 (`parity.float64_truth`). bfloat16's same-dtype reference
-is `jax_kernels.dense_cut_bce(compute_dtype=bfloat16)`. Gradients come from `jax.vjp` with random,
-non-uniform cotangents. The last tests put torch's native path and this one side by side.
+environment of ci/jax_newest.sh) `dense_cut_bce` in float64 (`parity.float64_truth`). bfloat16's
+same-dtype reference is `jax_kernels.dense_cut_bce(compute_dtype=bfloat16)`. Gradients come from
+`jax.vjp` with random, non-uniform cotangents. The last tests put torch's native path and this one
+side by side.
 
 Every eager call of the blocked loop compiles it (about 0.5 s of CPU), so the dtype x options x
 reduction matrix is covered pairwise: float64 runs all of it; float32 and bfloat16 run every
