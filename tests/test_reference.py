@@ -185,3 +185,10 @@ def test_jax_x64_is_off_in_the_session_and_on_only_inside_a_float64_case():
     with jax_x64("float64"):
         assert jnp.asarray(np.zeros(2)).dtype == jnp.float64
     assert not jax.config.jax_enable_x64
+
+
+def test_torch_oracle_checks_focal():
+    h, w = torch.zeros(2, 3, dtype=torch.float64), torch.zeros(4, 3, dtype=torch.float64)
+    targets = torch.tensor([[0], [1]])
+    with pytest.raises(TypeError, match="focal"):
+        dense_bce_with_logits(h, w, targets, focal=2.0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from jax_kernels.neutral.focal import check_focal
 from torch_cutbce.metrics import CutBCEMetrics
 from torch_cutbce.targets import ids_to_multi_hot
 
@@ -56,6 +57,8 @@ def dense_bce_with_logits(
             elem_weight = elem_weight * weight.unsqueeze(-1)
         if class_weight is not None:
             elem_weight = elem_weight * class_weight
+    if focal is not None:
+        check_focal(focal)  # a TypeError / ValueError naming focal, as every entry gives
     if focal is None:
         elementwise = F.binary_cross_entropy_with_logits(logits, multi_hot, pos_weight=pos_weight, reduction="none")
     else:
