@@ -7,6 +7,7 @@ names exactly the engines the framework-neutral impl rule accepts.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import pkgutil
 import subprocess
@@ -47,6 +48,18 @@ def test_jax_kernels_never_imports_torch():
     assert "torch" not in loaded and "torch_xla" not in loaded
 
 
+def _source(name: str) -> Path | None:
+    """The file of module `name` of this project where it is installed or checked out (None for
+    another package's module, or a name that is an attribute, not a module)."""
+    if not name.startswith(("jax_kernels", "torch_cutbce")):
+        return None
+    try:
+        spec = importlib.util.find_spec(name)
+    except ImportError:
+        return None
+    return Path(spec.origin) if spec is not None and str(spec.origin).endswith(".py") else None
+
+
 def _own_imports(module: str) -> set[str]:
     """The modules of this repository that `module` imports, transitively, read from the source (a
     runtime check would count the package `__init__`s, which load the entries)."""
@@ -55,8 +68,8 @@ def _own_imports(module: str) -> set[str]:
     seen, todo = set(), [module]
     while todo:
         name = todo.pop()
-        path = ROOT / (name.replace(".", "/") + ".py")
-        if name in seen or not path.exists():
+        path = _source(name)
+        if name in seen or path is None:
             continue
         seen.add(name)
         for node in ast.walk(ast.parse(path.read_text())):
