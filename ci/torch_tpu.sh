@@ -4,13 +4,13 @@
 # it when missing or when the pins changed (a stamp, as ci/setup.sh), then runs the test file in a
 # pytest process of its own: TorchTPU autoloads when torch is imported unless
 # TORCH_DEVICE_BACKEND_AUTOLOAD=0, and an autoloaded TorchTPU off a TPU tries to find a device.
-# The repository is put on PYTHONPATH, not installed. Arguments go to pytest:
+# The repository is installed editable with the [torch-tpu,test] extras. Arguments go to pytest:
 #   bash ci/torch_tpu.sh -k opcheck
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 stamp=.venv-tpu/.cutbce-torch-tpu-stamp
-want=$(cat ci/torch-tpu-constraints.txt | sha256sum | cut -d' ' -f1)
+want=$(cat ci/torch-tpu-constraints.txt pyproject.toml | sha256sum | cut -d' ' -f1)
 if ! { [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; }; then
   echo "[torch_tpu] building .venv-tpu (torch 2.13 CPU, torch_tpu, jax 0.10.2, libtpu)" >&2
   [ -x .venv-tpu/bin/python ] || "$PY" -m venv .venv-tpu
@@ -21,7 +21,9 @@ if ! { [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; }; then
   # pip takes torch 2.13.0 from the index (on Linux x86_64 a CUDA build, several GB more).
   wheels=()
   if [ -d /opt/wheels ]; then wheels=(--find-links /opt/wheels); fi
-  pip_quiet "${wheels[@]}" -c ci/torch-tpu-constraints.txt -r ci/torch-tpu-constraints.txt
+  # The [torch-tpu] and [test] extras, resolved against the pins: what a user's
+  # `pip install 'torch-cutbce[torch-tpu]'` gets, at the versions CI tests.
+  pip_quiet "${wheels[@]}" -c ci/torch-tpu-constraints.txt -r ci/torch-tpu-constraints.txt -e '.[torch-tpu,test]'
   echo "$want" > "$stamp"
   echo "[torch_tpu] .venv-tpu ready" >&2
 fi
