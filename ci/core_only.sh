@@ -73,7 +73,9 @@ report=$work/report.txt
 set +e
 # -m 'not slow': the one slow test (test_torch_native_memory.py, a minute) measures memory against V, not the
 # install; the main suite runs it.
-(cd "$unpacked" && PJRT_DEVICE=CPU "$venv/bin/python" -m pytest -q -p no:cacheprovider -rs -m "not slow" tests "$@") \
+# -n: the test files spread over the cores (pytest-xdist, from the test extra), as in ci/test.sh.
+(cd "$unpacked" && PJRT_DEVICE=CPU "$venv/bin/python" -m pytest -q -p no:cacheprovider -rs -m "not slow" \
+   -n "${CUTBCE_TEST_WORKERS:-auto}" --dist loadfile tests "$@") \
   | tee "$report"
 status=${PIPESTATUS[0]}
 set -e

@@ -6,15 +6,19 @@
 #                     torch_xla): it must pass or skip every test;
 #   ci/jax_newest.sh  the JAX suite on the newest JAX of the [jax] range, Python 3.12 (.venv-jax);
 #   ci/torch_tpu.sh   the TorchTPU bridge's checks: torch 2.13, torch_tpu, jax 0.10.2, libtpu (.venv-tpu).
-# Arguments go to pytest and run only the main suite:
+# Arguments go to pytest and run only the main suite, in one process:
 #   bash ci/test.sh tests/test_torch_native.py -k mean
+# The full run spreads whole test files over the CPU cores (pytest-xdist, `--dist loadfile`: a file's
+# module fixtures are built once; CUTBCE_TEST_WORKERS sets the count, 0 runs in one process).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash ci/setup.sh
 export PJRT_DEVICE=${PJRT_DEVICE:-CPU}
-.venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 tests "$@"
-if [ "$#" -eq 0 ]; then
-  time bash ci/core_only.sh
-  time bash ci/jax_newest.sh
-  time bash ci/torch_tpu.sh
+pytest=(.venv/bin/python -m pytest -q -p no:cacheprovider --durations=15)
+if [ "$#" -gt 0 ]; then
+  exec "${pytest[@]}" "$@"
 fi
+"${pytest[@]}" -n "${CUTBCE_TEST_WORKERS:-auto}" --dist loadfile tests
+time bash ci/core_only.sh
+time bash ci/jax_newest.sh
+time bash ci/torch_tpu.sh
