@@ -1,11 +1,13 @@
 """Compile JAX functions for a TPU chip on a host without one (libtpu's compile-only client).
 
-Used only by the compile-only checks (tests/test_l2_tpu_*.py, benchmarks/tpu_compile_matrix.py,
+Used only by the compile-only checks (tests/test_*_tpu_*.py, benchmarks/tpu_compile_matrix.py,
 tpu_hbm.py, tpu_torch_step.py): the parent process builds a child's environment (`child_env`) and
-reads its result (`run_child`); the child, with `.venv/libtpu-overlay` (ci/setup.sh) on PYTHONPATH,
+reads its result (`run_child`); the child, with the environment's libtpu overlay on PYTHONPATH
+(`.venv/libtpu-overlay` from ci/setup.sh, `.venv-jax/libtpu-overlay` from ci/jax_newest.sh),
 compiles (`compile_for`). The library never imports this module. Importing it changes nothing:
-`pin_mosaic_version()` is the only patch, and the caller applies it. How the client works and why
-the pin: docs/toolchain.md, 'Compiling for TPU without a TPU' and 'Mosaic version'.
+`pin_mosaic_version()` is the only patch, the caller applies it, and it patches only with the old
+libtpu that needs it. Which libtpu knows which chip, how the client works and why the pin:
+docs/toolchain.md, 'Compiling for TPU without a TPU' and 'Mosaic version'.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -23,9 +26,16 @@ ROOT = Path(__file__).resolve().parents[1]
 # or .venv-jax's (ci/jax_newest.sh: the libtpu jax[tpu] pins for the newest JAX).
 OVERLAY = Path(sys.prefix) / "libtpu-overlay"
 
-# Smallest topology libtpu accepts for each chip (v5e and v6e refuse "1x1": their hosts hold 2x2).
-TOPOLOGIES = {"v4": "v4:2x2x1", "v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
+# One host's slice of each chip (v5e and v6e refuse "1x1": their hosts hold 2x2). A TPU7x chip is
+# two JAX devices (one per TensorCore); libtpu names it "tpu7x" and refuses "v7" and "v7x".
+TOPOLOGIES = {"v4": "v4:2x2x1", "v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2", "tpu7x": "tpu7x:2x2x1"}
+# The oldest libtpu that knows each chip, where that is not every libtpu used here: 0.0.20 (.venv)
+# refuses "tpu7x" ("Invalid TPU external name: TPU7x"), 0.0.50 (.venv-jax) accepts it.
+MIN_LIBTPU = {"tpu7x": (0, 0, 50)}
 MOSAIC_VERSION = 7
+# libtpu 0.0.20 and 0.0.21 (what jax[tpu]==0.7.1 and torch_xla[tpu] 2.9 pin) read Mosaic versions
+# <= 7 only; 0.0.42 and 0.0.50 read what their JAX writes off a VM. Below this, `pin_mosaic_version` pins.
+MOSAIC_PIN_BELOW_LIBTPU = (0, 0, 22)
 
 
 def overlay_ready() -> bool:
@@ -39,12 +49,40 @@ def require_overlay() -> None:
         raise SystemExit(f"{OVERLAY} is missing: run ci/setup.sh")
 
 
+def libtpu_version() -> tuple[int, ...] | None:
+    """The version of the libtpu the compile-only children load (the overlay's), e.g. (0, 0, 50, 1);
+    None without an overlay. Read from its metadata, so libtpu is not loaded here."""
+    from importlib import metadata
+
+    for dist in metadata.distributions(name="libtpu", path=[str(OVERLAY)]):
+        return tuple(int(part) for part in re.findall(r"\d+", dist.version.split("+")[0])[:4])
+    return None
+
+
+def libtpu_knows(chip: str) -> bool:
+    """Whether the overlay's libtpu can compile for `chip` (a key of TOPOLOGIES)."""
+    needed = MIN_LIBTPU.get(chip)
+    version = libtpu_version()
+    return needed is None or (version is not None and version >= needed)
+
+
+def supported_chips() -> tuple[str, ...]:
+    """The chips of TOPOLOGIES that the overlay's libtpu knows, in TOPOLOGIES' order."""
+    return tuple(chip for chip in TOPOLOGIES if libtpu_knows(chip))
+
+
+def _version_text(version) -> str:
+    return ".".join(map(str, version)) if version else "none"
+
+
 def child_env(*paths, libtpu: bool = True, **variables) -> dict:
     """The environment of a child process: the repository root and `paths` on PYTHONPATH, and with
     `libtpu` the overlay first, with libtpu's lockfile check off (a compile-only client guards no
-    chip, and a second compile-only process on the host would otherwise fail to start). JAX_PLATFORMS
-    is dropped, so the child's JAX finds the TPU plugin; `variables` are set as given."""
+    chip, and a second compile-only process on the host would otherwise fail to start). The
+    caller's own PYTHONPATH comes last (e.g. optax beside .venv-jax for benchmarks/tpu_hbm.py).
+    JAX_PLATFORMS is dropped, so the child's JAX finds the TPU plugin; `variables` are set as given."""
     entries = ([str(OVERLAY)] if libtpu else []) + [str(ROOT)] + [str(p) for p in paths]
+    entries += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(entries), **variables)
     if libtpu:
         env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
@@ -78,22 +116,34 @@ def run_child(cmd, env: dict, timeout_s: float, *, stderr_tail: int = 1000, requ
     return json.loads(lines[-1][len(RESULT_PREFIX):]), None
 
 
-def pin_mosaic_version(version: int = MOSAIC_VERSION) -> None:
-    """Make JAX serialize Pallas TPU kernels at Mosaic `version` (default 7), for compile-only use.
+def mosaic_pin_needed() -> bool:
+    """Whether the overlay's libtpu is one that reads only Mosaic versions <= 7 (0.0.20, 0.0.21)."""
+    version = libtpu_version()
+    return version is not None and version < MOSAIC_PIN_BELOW_LIBTPU
 
-    JAX picks the Mosaic IR version in `jax._src.tpu_custom_call.get_ir_version` from the TPU
+
+def pin_mosaic_version(version: int = MOSAIC_VERSION) -> bool:
+    """With the old libtpu only (`mosaic_pin_needed`), make JAX serialize Pallas TPU kernels at
+    Mosaic `version` (default 7), for compile-only use. Returns whether it pinned.
+
+    JAX 0.7.1 picks the Mosaic IR version in `jax._src.tpu_custom_call.get_ir_version` from the TPU
     runtime's build date (`cloud_tpu_init.is_cloud_tpu_older_than`). Off a Cloud TPU VM that check
     finds no runtime and answers "not older", so jax 0.7.1 serializes version 8, while libtpu
     0.0.20 (the one jax[tpu]==0.7.1 pins) deserializes only versions <= 7 ("Unsupported version:
-    expected <= 7 but got 8"). Pinning 7 is what that libtpu would negotiate on a VM.
+    expected <= 7 but got 8"). Pinning 7 is what that libtpu would negotiate on a VM. The newest
+    pair (jax 0.12 with libtpu 0.0.50) agrees on the latest version off a VM: no pin there, so its
+    checks compile what a TPU VM would.
 
     On a real TPU VM JAX reads the version from the runtime it runs on; do NOT apply this pin there
     (it could serialize an older version than the runtime expects, or hide a real mismatch).
     The patch lasts for the process.
     """
+    if not mosaic_pin_needed():
+        return False
     from jax._src import tpu_custom_call
 
     tpu_custom_call.get_ir_version = lambda ctx: version
+    return True
 
 
 def topology(chip: str):
@@ -101,15 +151,19 @@ def topology(chip: str):
     slice such as "v6e:2x4".
 
     Args:
-        chip: 'v4', 'v5e', 'v5p' or 'v6e', or a topology name `<chip>:<shape>` of one of them.
-            libtpu 0.0.20 does not know v7 ("Invalid TPU external name: TPU v7"), so it is not offered.
+        chip: 'v4', 'v5e', 'v5p', 'v6e' or 'tpu7x', or a topology name `<chip>:<shape>` of one of
+            them. 'tpu7x' needs libtpu >= 0.0.50 (.venv-jax's; .venv's 0.0.20 does not know it).
 
     Raises:
-        ValueError: for another chip name.
+        ValueError: for another chip name, or a chip the overlay's libtpu does not know.
     """
     name = TOPOLOGIES.get(chip, chip)
-    if name.split(":")[0] not in TOPOLOGIES or ":" not in name:
+    family = name.split(":")[0]
+    if family not in TOPOLOGIES or ":" not in name:
         raise ValueError(f"chip must be one of {sorted(TOPOLOGIES)} or '<chip>:<shape>' of one, got {chip=}")
+    if not libtpu_knows(family):
+        raise ValueError(f"{chip=} needs libtpu >= {_version_text(MIN_LIBTPU[family])}, and {OVERLAY} has "
+                         f"libtpu {_version_text(libtpu_version())}: run it in .venv-jax (ci/jax_newest.sh)")
     from jax.experimental import topologies
 
     return topologies.get_topology_desc(topology_name=name, platform="tpu")

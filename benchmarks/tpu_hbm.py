@@ -1,9 +1,16 @@
-"""HBM per TPU chip: CutBCE beside the dense loss a user would write, compiled for v5e and v6e (no TPU).
+"""HBM per TPU chip: CutBCE beside the dense loss a user would write, compiled for v5e, v6e, TPU7x (no TPU).
 
-    .venv/bin/python benchmarks/tpu_hbm.py                      # every cell
+    .venv/bin/python benchmarks/tpu_hbm.py                      # every cell its libtpu knows (v5e, v6e)
     .venv/bin/python benchmarks/tpu_hbm.py --losses cutbce      # only CutBCE's cells
     .venv/bin/python benchmarks/tpu_hbm.py --cells single --v 10000 --chips v5e --out mine.csv
     .venv/bin/python benchmarks/tpu_hbm.py --report-only        # re-plot and re-tabulate the CSV
+
+TPU7x needs libtpu >= 0.0.50, i.e. .venv-jax (ci/jax_newest.sh), which has neither optax (the
+dense loss) nor matplotlib: put optax on PYTHONPATH (the children keep it), then re-plot in .venv:
+
+    .venv-jax/bin/python -m pip install --no-deps --target /tmp/optax-overlay optax==0.2.8 absl-py==2.5.1
+    PYTHONPATH=/tmp/optax-overlay .venv-jax/bin/python benchmarks/tpu_hbm.py --chips tpu7x --cells single
+    .venv/bin/python benchmarks/tpu_hbm.py --report-only
 
 Each cell compiles `jax.value_and_grad` of `cut_bce(impl='pallas')` or of optax's BCE on the
 materialized logits with libtpu's compile-only client, one subprocess per cell, and appends XLA's
@@ -30,8 +37,10 @@ if str(HERE.parent) not in sys.path:  # run as a script: `benchmarks.*` and the 
     sys.path.insert(0, str(HERE.parent))
 
 LOSSES = ("cutbce", "dense")
-CHIPS = ("v5e", "v6e")
-HBM_GIB = {"v5e": 16, "v6e": 32}  # HBM per chip, the capacity line of the plot
+CHIPS = ("v5e", "v6e", "tpu7x")
+# HBM per JAX device, the capacity line of the plot: a v5e or v6e chip is one device; a TPU7x chip
+# (192 GiB) is two, one per TensorCore, each with half (its compiles are per device, as the rest).
+HBM_GIB = {"v5e": 16, "v6e": 32, "tpu7x": 96}
 VS = (10_000, 100_000, 876_939, 1_000_000, 10_000_000)
 SINGLE = dict(n=8192, d=64, num_slots=8)
 # The paper's set-up: batch 64 x sequence length 256 positions, V 876,939 items, 8 v6e chips.
@@ -48,7 +57,9 @@ LAYOUTS = {
 FIELDS = ("chip", "topology", "layout", "loss", "dtype", "N", "V", "table_rows", "D", "L", "status",
           "error", "seconds", "peak_bytes", "xla_peak_bytes", "argument_bytes", "output_bytes", "temp_bytes",
           "alias_bytes", "code_bytes", "oom_needed_bytes", "git_sha", "kernels_sha", "command",
-          "host")
+          "host", "versions")
+# The versions of rows from before the `versions` column: all made in .venv (its command says so).
+OLD_VERSIONS = "jax 0.7.1, libtpu 0.0.20"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,11 +159,13 @@ def input_structs(cell: Cell):
 def oom_needed_bytes(message: str) -> int | None:
     """A lower bound of the HBM a program that did not fit asks for, from the compiler's message.
 
-    Two forms seen: "Ran out of memory in memory space hbm. Used 45.78G of 15.75G hbm" (the program's
-    temp allocation; the message adds "Total hbm usage >= ..."), and, when one buffer alone exceeds
-    the chip, "Allocation (size=327680000000) would exceed memory (size=17179869184)" (that buffer).
+    Three forms seen: "Ran out of memory in memory space hbm. Used 45.78G of 15.75G hbm" (the
+    program's temp allocation; the message adds "Total hbm usage >= ..."), and, when one buffer alone
+    exceeds the chip, "Allocation (size=327680000000) would exceed memory (size=17179869184)" (that
+    buffer), from libtpu 0.0.20; "CompileTimeHbmOom: ... the total memory required for HLO
+    temporaries (612.74G) exceeds available HBM (94.74G)" from libtpu 0.0.50 (the temporaries).
     """
-    used = re.search(r"Used ([0-9.]+)([KMGT]) of [0-9.]+[KMGT] hbm", message)
+    used = re.search(r"(?:Used |HLO temporaries \()([0-9.]+)([KMGT])(?: of [0-9.]+[KMGT] hbm|\) exceeds)", message)
     if used is not None:
         return round(float(used.group(1)) * 1024 ** (1 + "KMGT".index(used.group(2))))
     allocation = re.search(r"Allocation \(size=([0-9]+)\) would exceed memory", message)
@@ -163,8 +176,10 @@ def hbm_bytes(sizes: dict) -> int:
     """HBM the compiled program holds per chip (`sizes`: `tpu_compile.memory_bytes`): its arguments,
     outputs and temporaries, less donations.
 
-    This is what the TPU compiler checks against the chip's capacity: its out-of-memory message adds
-    the same temp allocation (fragmentation included) to the arguments. Not `peak_memory_in_bytes`,
+    This is what libtpu 0.0.20 checks against the chip's capacity: its out-of-memory message adds
+    the same temp allocation (fragmentation included) to the arguments. libtpu 0.0.50 (tpu7x) checks
+    less: it compiled the dense loss in float32 at V 10^6 with 106.9 GiB of temp for a TPU7x device
+    whose available HBM its messages put at 94.74 GiB (XLA's peak 76.8 GiB). Not `peak_memory_in_bytes`,
     which is the most bytes live at once, without fragmentation but with the buffers XLA placed in
     VMEM (v5e, CutBCE at V 10^4: 18.8 MB, against 4.9 MB of HBM arguments and outputs and no HBM
     temp; v6e x 8, dense: 11.0 GB against 14.6 GB); it is recorded beside it as `xla_peak_bytes`.
@@ -184,6 +199,22 @@ def kernels_sha() -> str:
     return digest.hexdigest()[:12]
 
 
+def versions() -> str:
+    """Child side: the versions that made a row, e.g. "jax 0.12.0.1, libtpu 0.0.50.1, optax 0.2.8"."""
+    from importlib import metadata
+
+    import jax
+
+    from benchmarks import tpu_compile
+
+    out = [f"jax {jax.__version__}", "libtpu " + ".".join(map(str, tpu_compile.libtpu_version() or ("?",)))]
+    try:
+        out.append(f"optax {metadata.version('optax')}")
+    except metadata.PackageNotFoundError:
+        pass
+    return ", ".join(out)
+
+
 def compile_cell(cell: Cell) -> dict:
     """Child side: lower and compile one cell for its TPU topology; never raises for a failed compile.
 
@@ -193,8 +224,8 @@ def compile_cell(cell: Cell) -> dict:
     """
     from benchmarks import tpu_compile
 
-    tpu_compile.pin_mosaic_version()
-    kernels = dict(kernels_sha=kernels_sha())
+    tpu_compile.pin_mosaic_version()  # only with libtpu 0.0.20 (.venv), which needs it
+    kernels = dict(kernels_sha=kernels_sha(), versions=versions())
     try:
         mesh, structs = input_structs(cell)
     except Exception as e:  # noqa: BLE001: reported like a failed compile
@@ -279,20 +310,24 @@ def _ratio(cut, dense) -> str:
 def markdown(rows: list[dict], command: str) -> str:
     """The README-ready tables: single chip by V, and the 8-chip paper shape beside the paper."""
     find = {(r["layout"], r["chip"], r["dtype"], r["V"], r["D"], r["loss"]): r for r in rows}
-    runs = {}
+    runs, libtpu_of_chip = {}, {}
     for r in rows:
         kernels = r.get("kernels_sha", "") if r["loss"] == "cutbce" else ""
-        runs.setdefault((r["command"], r["git_sha"], kernels), []).append(r["loss"])
+        made_with = r.get("versions") or OLD_VERSIONS
+        runs.setdefault((r["command"], r["git_sha"], kernels, made_with), []).append(r["loss"])
+        libtpu_of_chip.setdefault(made_with.split("libtpu ")[1].split(",")[0], set()).add(r["chip"])
+    libtpus = "; ".join(f"libtpu {v} for {', '.join(sorted(chips))}" for v, chips in sorted(libtpu_of_chip.items()))
     out = [
-        "# HBM per TPU chip: CutBCE beside the dense loss (compile-only, libtpu 0.0.20)",
+        f"# HBM per TPU chip: CutBCE beside the dense loss (compile-only, {libtpus})",
         "",
         f"Tables written by `{command}` from the rows of the CSV beside this file, made by:",
         "",
-        *(f"- `{c}` (git {sha}" + (f", `jax_kernels` sources sha256 {k}...): " if "cutbce" in losses else "): ")
+        *(f"- `{c}` ({v}; git {sha}" + (f", `jax_kernels` sources sha256 {k}...): " if "cutbce" in losses else "): ")
           + ", ".join(f"{losses.count(loss)} {loss} rows" for loss in LOSSES if loss in losses)
-          for (c, sha, k), losses in sorted(runs.items())),
+          for (c, sha, k, v), losses in sorted(runs.items())),
         "",
-        "(the kernels' version is named for the CutBCE rows only: the dense loss does not use them)",
+        "(the kernels' version is named for the CutBCE rows only: the dense loss does not use them;",
+        f"rows from before the CSV's `versions` column were made in .venv: {OLD_VERSIONS})",
         "",
         "Each figure is the HBM per chip (argument + output + temp - alias bytes of XLA's memory",
         "analysis) of the compiled loss part of a training step: `jax.value_and_grad` of the loss with",
@@ -302,17 +337,28 @@ def markdown(rows: list[dict], command: str) -> str:
         "the ids (`benchmarks/tpu_hbm.py: dense_bce`). \"Does not fit (>= x)\": the TPU compiler refused",
         "the program (out of HBM); x is the lower bound its message gives (the program's temp allocation,",
         "or the one buffer larger than the chip). Nothing ran: each program was compiled for the chip",
-        "with libtpu's compile-only client, no chip present.",
+        "with libtpu's compile-only client, no chip present. TPU7x: per TensorCore, i.e. per JAX device",
+        "(a TPU7x chip is two, each with half of its 192 GiB), as a program on one device would hold it.",
         "",
-        f"## One chip: N {SINGLE['n']:,}, D {SINGLE['d']}, L {SINGLE['num_slots']} (v5e: 16 GiB HBM, v6e: 32 GiB)",
+        f"## One chip: N {SINGLE['n']:,}, D {SINGLE['d']}, L {SINGLE['num_slots']} (v5e: 16 GiB HBM, v6e: 32 GiB, "
+        "tpu7x: 96 GiB per TensorCore)",
         "",
         "| V | chip | dtype | CutBCE peak | dense peak | dense / CutBCE |",
         "|---:|---|---|---:|---:|---:|",
     ]
-    singles = sorted({(int(r["V"]), r["chip"], r["dtype"], r["D"]) for r in rows if r["layout"] == "single"})
+    singles = sorted({(int(r["V"]), r["chip"], r["dtype"], r["D"]) for r in rows if r["layout"] == "single"},
+                     key=lambda c: (c[0], CHIPS.index(c[1]) if c[1] in CHIPS else len(CHIPS), *c[2:]))
     for v, chip, dtype, d in singles:
         cut, dense = (find.get(("single", chip, dtype, str(v), d, loss)) for loss in LOSSES)
         out.append(f"| {v:,} | {chip} | {dtype} | {_fmt(cut)} | {_fmt(dense)} | {_ratio(cut, dense)} |")
+    over = [r for r in rows if r["layout"] == "single" and r["status"] == "ok" and _gib(r) > HBM_GIB[r["chip"]]]
+    if over:
+        # libtpu 0.0.50 refuses by a smaller figure than this table's (`hbm_bytes`' docstring).
+        out += ["", "Compiled although larger than the HBM by this table's count: " + ", ".join(
+            f"{r['loss']} {r['chip']} {r['dtype']} V {int(r['V']):,} ({_gib(r):.2f} GiB, XLA's peak "
+            f"{_gib(r, 'xla_peak_bytes'):.2f} GiB)" for r in over) + ". libtpu 0.0.50 refuses by a smaller "
+            "figure than libtpu 0.0.20 did (its messages give a TPU7x device 94.74 GiB); whether it runs is "
+            "not known."]
     cut_temps = [int(r["temp_bytes"]) for r in rows if r["loss"] == "cutbce" and r["status"] == "ok"]
     if cut_temps:
         # What CutBCE needs beyond its inputs and its gradients, whose sizes any training step pays.
@@ -359,12 +405,13 @@ def plot(rows: list[dict], png: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax, ax_mesh) = plt.subplots(1, 2, figsize=(13, 5.5), gridspec_kw=dict(width_ratios=(3, 2)))
-    colors = {("cutbce", "v5e"): "tab:blue", ("cutbce", "v6e"): "tab:cyan",
-              ("dense", "v5e"): "tab:red", ("dense", "v6e"): "tab:orange"}
+    colors = {("cutbce", "v5e"): "tab:blue", ("cutbce", "v6e"): "tab:cyan", ("cutbce", "tpu7x"): "tab:purple",
+              ("dense", "v5e"): "tab:red", ("dense", "v6e"): "tab:orange", ("dense", "tpu7x"): "tab:brown"}
     single = [r for r in rows if r["layout"] == "single"]
-    # v5e and v6e often need the same bytes: a thick line under a thin one keeps both visible.
-    chip_style = {"v5e": dict(marker="o", linewidth=4, markersize=9),
-                  "v6e": dict(marker="s", linewidth=1.5, markersize=4)}
+    # The chips often need the same bytes: thick lines under thin ones keep all of them visible.
+    chip_style = {"v5e": dict(marker="o", linewidth=5, markersize=10),
+                  "v6e": dict(marker="s", linewidth=2.5, markersize=6),
+                  "tpu7x": dict(marker="^", linewidth=1, markersize=4)}
     for (loss, chip), color in colors.items():
         for dtype, style in (("bfloat16", "-"), ("float32", "--")):
             mine = sorted((int(r["V"]), r) for r in single if (r["loss"], r["chip"], r["dtype"]) == (loss, chip, dtype))
@@ -377,10 +424,12 @@ def plot(rows: list[dict], png: Path) -> None:
     ax.plot([], [], "X", color="white", markeredgecolor="k", markersize=13,
             label="did not fit (compiler: out of HBM),\ndrawn at the chip's capacity in the line's colour")
     for chip, gib in HBM_GIB.items():
-        ax.axhline(gib, color="gray", linestyle=":" if chip == "v5e" else "-.", linewidth=1)
-        ax.annotate(f"{chip} HBM {gib} GiB", (0.01, gib), xycoords=("axes fraction", "data"), ha="left",
+        ax.axhline(gib, color="gray", linestyle={"v5e": ":", "v6e": "-.", "tpu7x": "--"}[chip], linewidth=1)
+        per = " per TensorCore" if chip == "tpu7x" else ""
+        ax.annotate(f"{chip} HBM {gib} GiB{per}", (0.01, gib), xycoords=("axes fraction", "data"), ha="left",
                     va="bottom", fontsize=8, color="gray")
-    ax.set(xscale="log", yscale="log", xlabel="V (items in the catalog)", ylabel="peak HBM per chip (GiB)",
+    ax.set(xscale="log", yscale="log", xlabel="V (items in the catalog)",
+           ylabel="peak HBM per chip, tpu7x per TensorCore (GiB)",
            title=f"One chip, loss + gradients: N {SINGLE['n']}, D {SINGLE['d']}, L {SINGLE['num_slots']}")
     ax.legend(fontsize=7, loc="lower right")
     ax.grid(True, which="major", alpha=0.3)
@@ -421,7 +470,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cells", nargs="+", default=("single", "mesh"), choices=("single", "mesh"))
     p.add_argument("--losses", nargs="+", default=LOSSES, choices=LOSSES)
-    p.add_argument("--chips", nargs="+", default=CHIPS, choices=CHIPS)
+    p.add_argument("--chips", nargs="+", choices=CHIPS,
+                   help="single-chip chips (default: those this environment's libtpu knows)")
     p.add_argument("--dtypes", nargs="+", default=("bfloat16", "float32"), choices=("bfloat16", "float32"),
                    help="single-chip dtypes (the paper's shape is bfloat16)")
     p.add_argument("--v", nargs="+", type=int, default=VS, help="single-chip catalog sizes")
@@ -436,13 +486,21 @@ def main():
 
         tpu_compile.print_result(compile_cell(Cell(**json.loads(args.one))))
         return
-    command = shlex.join([".venv/bin/python", "benchmarks/tpu_hbm.py", *sys.argv[1:]])
+    # The interpreter's environment (.venv or .venv-jax) names the versions the rows were made with.
+    command = shlex.join([f"{Path(sys.prefix).name}/bin/python", "benchmarks/tpu_hbm.py", *sys.argv[1:]])
     png, md = args.out.with_suffix(".png"), args.out.with_suffix(".md")
     if args.report_only:
         return write_reports(args.out, png, md, command)
     from benchmarks import tpu_compile
 
     tpu_compile.require_overlay()
+    if args.chips is None:
+        args.chips = [chip for chip in CHIPS if tpu_compile.libtpu_knows(chip)]
+    unknown = [chip for chip in args.chips if not tpu_compile.libtpu_knows(chip)]
+    if unknown:
+        have = ".".join(map(str, tpu_compile.libtpu_version() or ()))
+        raise SystemExit(f"{unknown} need libtpu >= 0.0.50; {tpu_compile.OVERLAY} has libtpu {have}: "
+                         "use .venv-jax (see this script's docstring)")
     from benchmarks.provenance import append_rows, git_sha, machine
 
     sha, host = git_sha(), machine()
@@ -453,6 +511,12 @@ def main():
             peak = f"peak {_gib(row):.3f} GiB" if row.get("peak_bytes") else ""
             print(f"{cell.layout} {cell.chip} {cell.loss} {cell.dtype} V {cell.v} D {cell.d}: {row['status']} "
                   f"{row.get('seconds', '')} s {peak} {row.get('error', '')[:150]}", flush=True)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:  # .venv-jax
+        print(f"rows appended to {args.out}; no matplotlib here: re-plot with "
+              ".venv/bin/python benchmarks/tpu_hbm.py --report-only")
+        return
     write_reports(args.out, png, md, command)
 
 

@@ -6,15 +6,22 @@
 # Builds .venv-jax the first time, and again only when that file or this script changed (a stamp,
 # as ci/setup.sh). .venv (jax 0.7.1) runs the same tests in ci/test.sh.
 #
-# With no arguments, a lean selection for CI. Measured on the shared 2-core host (other jobs
-# running, load 3-4): the build 1 min 14 s (1.3 GB, libtpu 640 MB of it), the run 6 min 1 s.
+# With no arguments, a lean selection for CI:
 #   - the blocked engine against the float64 oracle: every option in float64 and float32, under jit,
 #     the one-pass gradient, mixed dtypes (blocked and Pallas);
 #   - the Pallas kernels in interpret mode, forward and backward, float32 and bfloat16;
 #   - the sharded path on 8 simulated devices (Auto, Explicit and make_mesh's default meshes);
-#   - the compile-only TPU build of every kernel variant for one chip (v5e) with the libtpu
-#     jax[tpu] pins, in .venv-jax/libtpu-overlay (tests/_tpu_compile_worker.py).
-# Arguments go to pytest in place of that selection, e.g. all four chips:
+#   - beside it, the compile-only TPU build of every kernel variant (tests/_tpu_compile_worker.py:
+#     136 programs a chip) for v5e, v6e and tpu7x with libtpu 0.0.50.1, no Mosaic pin, in
+#     .venv-jax/libtpu-overlay; any failed compile fails the script. .venv compiles v4, v5e and v5p
+#     with libtpu 0.0.20 (tests/test_jax_pallas_tpu_compile.py), which knows no TPU7x.
+# Measured on the shared host (AMD EPYC Zen 3, 2 cores, other jobs running): the first build
+# 1 min 14 s (1.3 GB, libtpu 640 MB of it), a rebuild after a change of this script 15 s. The run,
+# at load 3.6-4.5: pytest 9 min 21 s, the compile-only worker 11 min 50 s beside it (412 programs,
+# 0 failed), 12 min 8 s in all (8 min 15 s of CPU); at load 4-8, 8 min 36 s, 10 min 52 s and
+# 11 min 13 s. The worker costs about 1 min 25 s of CPU a chip (4-5 min for three), about what
+# pytest costs: on an idle host each has a core. With the one v5e of before: 6 min 1 s at load 3-4.
+# Arguments go to pytest in place of that selection, e.g. the compile-only test file:
 #   bash ci/jax_newest.sh tests/test_jax_pallas_tpu_compile.py
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -57,28 +64,43 @@ if [ "$#" -gt 0 ]; then
   exec "${pytest[@]}" "$@"
 fi
 
-# Compile-only, one chip: the worker of tests/test_jax_pallas_tpu_compile.py in its environment. It runs
-# beside pytest (each mostly keeps one core busy) and reports after it.
+# Compile-only: the worker of tests/test_jax_pallas_tpu_compile.py in this environment, every kernel
+# variant for v5e, v6e and tpu7x (worker.NEWEST_CHIPS; .venv compiles v4, v5e and v5p). It runs
+# beside pytest (each mostly keeps one core busy) and reports after it; any failed compile fails.
 compile_only() {
   .venv-jax/bin/python - <<'EOF'
-import json, subprocess, sys, tempfile
+import json, subprocess, sys, tempfile, time
 from pathlib import Path
 
+sys.path.insert(0, "tests")
+import _tpu_compile_worker as worker
 from benchmarks import tpu_compile
 
 assert tpu_compile.overlay_ready(), f"{tpu_compile.OVERLAY} is missing"
+chips, libtpu = worker.NEWEST_CHIPS, ".".join(map(str, tpu_compile.libtpu_version()))
+unknown = [chip for chip in chips if not tpu_compile.libtpu_knows(chip)]
+assert not unknown, f"libtpu {libtpu} in {tpu_compile.OVERLAY} does not know {unknown}"
 out = Path(tempfile.mkdtemp()) / "records.json"
-proc = subprocess.run([sys.executable, "tests/_tpu_compile_worker.py", str(out), "v5e"],
+start = time.perf_counter()
+proc = subprocess.run([sys.executable, "tests/_tpu_compile_worker.py", str(out), *chips],
                       env=tpu_compile.child_env(Path("tests").resolve()), capture_output=True, text=True,
-                      timeout=900)
+                      timeout=1800)
+seconds = time.perf_counter() - start
 if proc.returncode != 0:
     sys.exit(f"[jax-newest] compile-only worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
 records = json.loads(out.read_text())
-failed = [(r["what"], r["dtype"], r.get("options"), r["error"][:400]) for r in records if r["error"]]
-print(f"[jax-newest] compile-only for v5e: {len(records)} programs, {len(failed)} failed")
+failed = [(r["chip"], r["what"], r["dtype"], r.get("options"), r["error"][:400]) for r in records if r["error"]]
+# Every case and focal case, four programs each, on every chip (the temp cases come on top).
+per_chip = {chip: sum(r["chip"] == chip and "temp_bound" not in r["what"] for r in records) for chip in chips}
+expected = 4 * (len(worker.cases(("v5e",))) + len(worker.FOCAL_CASES))
+missing = {chip: n for chip, n in per_chip.items() if n != expected}
+print(f"[jax-newest] compile-only for {', '.join(chips)} with libtpu {libtpu}: {len(records)} programs, "
+      f"{len(failed)} failed, {seconds:.0f} s")
 for f in failed:
     print("  ", f)
-sys.exit(1 if failed else 0)
+if missing:
+    print(f"[jax-newest] expected {expected} programs per chip, got {missing}")
+sys.exit(1 if failed or missing else 0)
 EOF
 }
 compile_log=$(mktemp)

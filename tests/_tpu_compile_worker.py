@@ -1,8 +1,9 @@
 """Subprocess side of tests/test_jax_pallas_tpu_compile.py: compiles the Pallas kernels for real TPU chips.
 
-Runs as `PYTHONPATH=.venv/libtpu-overlay:. python tests/_tpu_compile_worker.py OUT.json [CHIP ...]`,
-so libtpu is loaded here and never in the pytest process. Every case is compiled (nothing runs)
-with `benchmarks.tpu_compile.compile_for`: the raw `pallas_forward`,
+Runs as `PYTHONPATH=E/libtpu-overlay:. E/bin/python tests/_tpu_compile_worker.py OUT.json [CHIP ...]`
+(E: .venv or .venv-jax; no CHIP: `chips_here()`), so libtpu is loaded here and never in the
+pytest process. Every case is compiled (nothing runs) with
+`benchmarks.tpu_compile.compile_for`: the raw `pallas_forward`,
 `pallas_backward` and `pallas_value_and_grad` (the one-pass d_hidden kernel
 that also sums the rows), and `jax.value_and_grad` of `jax_kernels.cut_bce(impl='pallas')` with
 respect to hidden, item_weight and bias ('mean': the one-pass kernels again, under the
@@ -18,7 +19,13 @@ import itertools
 import json
 import sys
 
-CHIPS = ("v4", "v5e", "v5p", "v6e")
+CHIPS = ("v4", "v5e", "v5p", "v6e", "tpu7x")
+# CI splits the chips between its two environments, three each (.venv compiled all four before):
+# .venv (jax 0.7.1, libtpu 0.0.20, Mosaic pinned to 7) v4 and v5p, which only it covers, and v5e;
+# .venv-jax (jax 0.12, libtpu 0.0.50, no pin) v5e, v6e and tpu7x, which libtpu 0.0.20 does not
+# know. v5e in both: the most used chip with each pair (the temp cases below are v5e's anyway).
+OLD_PAIR_CHIPS = ("v4", "v5e", "v5p")
+NEWEST_CHIPS = ("v5e", "v6e", "tpu7x")
 OPTIONS = ("bias", "class_weight", "pos_weight", "counts")
 # Mostly odd shapes (N and V no multiple of 8 or 128) so that the ragged-tile and padding paths are
 # compiled; the last is the degenerate one-row, one-item case.
@@ -44,6 +51,14 @@ FOCAL_CASES = (
     dict(n=130, v=700, d=128, num_slots=9, dtype="bfloat16", options=("class_weight", "pos_weight"),
          focal=(0.5, 0.25, True)),
 )
+
+
+def chips_here() -> tuple[str, ...]:
+    """This environment's share of the chips: NEWEST_CHIPS where the overlay's libtpu knows tpu7x,
+    else OLD_PAIR_CHIPS. Reads the overlay's metadata only (libtpu is not loaded)."""
+    from benchmarks import tpu_compile
+
+    return NEWEST_CHIPS if tpu_compile.libtpu_knows("tpu7x") else OLD_PAIR_CHIPS
 
 
 def cases(chips=CHIPS):
@@ -124,7 +139,7 @@ def main(out_path, chips):
     from benchmarks import tpu_compile
     from jax_kernels.pallas.launch import pallas_forward
 
-    tpu_compile.pin_mosaic_version()
+    tpu_compile.pin_mosaic_version()  # only with libtpu 0.0.20/0.0.21 (.venv), which needs it
     records = []
     focal_cases = [(chip, case) for chip in chips for case in FOCAL_CASES]
     for chip, case in cases(chips) + focal_cases:
@@ -147,4 +162,4 @@ def main(out_path, chips):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], tuple(sys.argv[2:]) or CHIPS)
+    main(sys.argv[1], tuple(sys.argv[2:]) or chips_here())

@@ -47,8 +47,11 @@ def test_oom_message_is_parsed_to_bytes():
     message = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. "
                "Used 45.78G of 15.75G hbm. Exceeded hbm capacity by 30.03G.")
     one_buffer = "RESOURCE_EXHAUSTED: Allocation (size=327680000000) would exceed memory (size=17179869184) :: #a"
+    newer = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total memory required "
+             "for HLO temporaries (612.74G) exceeds available HBM (94.74G). HLO module: jit_step.")  # libtpu 0.0.50
     assert tpu_hbm.oom_needed_bytes(message) == round(45.78 * 2**30)
     assert tpu_hbm.oom_needed_bytes(one_buffer) == 327680000000
+    assert tpu_hbm.oom_needed_bytes(newer) == round(612.74 * 2**30)
     assert tpu_hbm.oom_needed_bytes("some other error") is None
 
 

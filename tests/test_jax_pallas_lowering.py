@@ -114,11 +114,14 @@ def test_lowers_under_x64(dtype):
     assert [t.count(TPU_CALL) for t in texts] == [1, 2, 2]
 
 
-@pytest.mark.parametrize("chip", ["v5p", "v7", None])
+@pytest.mark.parametrize("chip", ["v5p", "tpu7x", None])
 def test_other_chips_and_portable_default_lower(chip):
-    """v5p and v7 budgets, and chip=None (no TPU here: the portable table row)."""
+    """v5p and TPU7x budgets (TPU7x also by its old name "v7"), and chip=None (no TPU here: the
+    portable table row)."""
     for n, v, d, dtype in [(8192, 876939, 96, jnp.bfloat16), (1000, 100000, 256, jnp.float32)]:
         block_sizes = None if chip is None else default_block_sizes(n, v, d, dtype, chip=chip)
+        if chip == "tpu7x":
+            assert default_block_sizes(n, v, d, dtype, chip="v7") == block_sizes
         texts = lower_all(n, v, d, dtype, block_sizes, bias=True, class_weight=True,
                            pos_weight=True, num_slots=20, compute_counts=True)
         assert [t.count(TPU_CALL) for t in texts] == [1, 2, 2]

@@ -1,16 +1,27 @@
-"""The Pallas kernels compile for real TPU chips (v4, v5e, v5p, v6e), on a host without a TPU.
+"""The Pallas kernels compile for real TPU chips, on a host without a TPU.
 
 libtpu's compile-only client (benchmarks/tpu_compile.py) runs in a subprocess,
-`_tpu_compile_worker.py`, with `.venv/libtpu-overlay` (built by ci/setup.sh) on PYTHONPATH: this
-process never loads libtpu, so its JAX and torch_xla stay on the CPU. The worker compiles, nothing
-runs: for each chip, every subset of {bias, class_weight, pos_weight, counts} with L = 0 and L > 0,
-float32 and bfloat16 alternating, at odd small shapes (32 cases per chip), four programs each: the
-raw `pallas_forward`, `pallas_backward` and `pallas_value_and_grad`
-(the one-pass kernels of 'mean'/'sum'), and `jax.value_and_grad` of `jax_kernels.cut_bce(impl='pallas')`
-(516 compiles in all with the four HBM temp cases), and the focal variants: two cases per chip
-(`worker.FOCAL_CASES`), the same four programs (32 compiles more). Measured: 2-3 min for this file under pytest on
-this shared 2-core host with three programs (1 min 59 s and 2 min 52 s in two runs; about 0.3 s a
-compile, 1.3 s at most); with the fourth, 4 min 4 s in one run (the other core busy with tests).
+`_tpu_compile_worker.py`, with this environment's libtpu overlay on PYTHONPATH: this process never
+loads libtpu, so its JAX and torch_xla stay on the CPU. The worker compiles, nothing runs: for each
+chip, every subset of {bias, class_weight, pos_weight, counts} with L = 0 and L > 0, float32 and
+bfloat16 alternating, at odd small shapes (32 cases per chip), four programs each: the raw
+`pallas_forward`, `pallas_backward` and `pallas_value_and_grad` (the one-pass kernels of
+'mean'/'sum'), and `jax.value_and_grad` of `jax_kernels.cut_bce(impl='pallas')`; the focal
+variants, two cases per chip (`worker.FOCAL_CASES`), the same four programs (136 compiles a chip);
+and the four HBM temp cases on v5e: 412 compiles in all.
+
+Which chips depends on the environment's libtpu (`worker.chips_here()`), so that CI compiles each
+chip once or twice and each side about three chips' time:
+- .venv (ci/test.sh): jax 0.7.1, libtpu 0.0.20, Mosaic pinned to 7: v4, v5e and v5p;
+- .venv-jax (ci/jax_newest.sh, which runs the worker beside its pytest selection, or
+  `bash ci/jax_newest.sh tests/test_jax_pallas_tpu_compile.py`): jax 0.12.0.1, libtpu 0.0.50.1,
+  no pin: v5e, v6e and tpu7x (libtpu 0.0.20 knows no TPU7x).
+Measured on the shared host (AMD EPYC Zen 3, 2 cores; other jobs running, load 2.6-5): this file
+in .venv 6 min 9 s (4 min 2 s of CPU); it took 4-5 min for the four chips of before (v6e too).
+In .venv-jax, beside ci/jax_newest.sh's pytest: the worker for its three chips 11 min 50 s at
+load 3.6-4.5, 10 min 52 s at load 4-8; tpu7x alone 1 min 47 s (1 min 23 s of CPU, load 2-3):
+0.7 s a compile, 3.1 s at most. Each side compiles three chips of about 1 min 25 s of CPU each,
+one more than before (four in .venv, v5e in .venv-jax), the extra one beside pytest's other core.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ pytestmark = [pytest.mark.tpu_compile, pytest.mark.rung2]
 TESTS = Path(__file__).resolve().parent
 OVERLAY = tpu_compile.OVERLAY  # .venv/libtpu-overlay (.venv-jax/libtpu-overlay under ci/jax_newest.sh)
 PROGRAMS = ("forward", "backward", "value_and_grad", "cut_bce_value_and_grad")
+CHIPS = worker.chips_here()  # v4, v5e, v5p with libtpu 0.0.20; v5e, v6e, tpu7x with 0.0.50
 
 
 @pytest.fixture(scope="module")
@@ -39,13 +51,13 @@ def records(tmp_path_factory):
     assert (OVERLAY / "libtpu").is_dir(), f"{OVERLAY} is missing: run ci/setup.sh"
     out = tmp_path_factory.mktemp("tpu_compile") / "records.json"
     env = tpu_compile.child_env(TESTS)  # the overlay, the root and tests/ on PYTHONPATH
-    proc = subprocess.run([sys.executable, str(TESTS / "_tpu_compile_worker.py"), str(out)],
-                          env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, str(TESTS / "_tpu_compile_worker.py"), str(out), *CHIPS],
+                          env=env, capture_output=True, text=True, timeout=1800)  # 12 min seen under load
     assert proc.returncode == 0, f"worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("chip", worker.CHIPS)
+@pytest.mark.parametrize("chip", CHIPS)
 def test_every_variant_compiles(records, chip):
     mine = [r for r in records if r["chip"] == chip and r["what"] in PROGRAMS]
     assert len(mine) == len(PROGRAMS) * len([c for c, _ in worker.cases() if c == chip])
@@ -57,7 +69,7 @@ def test_every_variant_compiles(records, chip):
     assert len(seen) == len(worker.OPTIONS) * 2 * 2 * 2, seen
 
 
-@pytest.mark.parametrize("chip", worker.CHIPS)
+@pytest.mark.parametrize("chip", CHIPS)
 def test_focal_variants_compile(records, chip):
     """Focal CutBCE (issue 15): the four programs of each `worker.FOCAL_CASES` entry (gamma 2 in
     float32; gamma 0.5 class-balanced in bfloat16) compile for this chip."""

@@ -24,12 +24,13 @@ class ChipSpec:
     """What the block-size heuristic needs to know about one TPU generation (per JAX device).
 
     Attributes:
-        name: short name, e.g. `'v5e'`.
+        name: short name, e.g. `'v5e'`; `'tpu7x'` as libtpu and the device kind ("TPU7x") name it.
         vmem_bytes: VMEM capacity of one TensorCore.
         mxu_width: side of the systolic matmul unit (128 or 256); tiles are multiples of it.
         hbm_bytes_per_s: HBM bandwidth available to the device.
         bf16_flops_per_s: peak bf16 matmul rate of the device (2 flops per multiply-add).
-        cores_per_device: TensorCores behind one device (2 on megacore chips v4 and v5p).
+        cores_per_device: TensorCores behind one device (2 on megacore chips v4 and v5p; 1 on TPU7x,
+            whose two TensorCores per chip are two devices).
     """
 
     name: str
@@ -60,8 +61,12 @@ CHIPS: dict[str, ChipSpec] = {
     "v5e": ChipSpec("v5e", 128 * MIB, 128, 8.2e11, 1.97e14),
     "v5p": ChipSpec("v5p", 64 * MIB, 128, 2.46e12, 4.59e14, cores_per_device=2),
     "v6e": ChipSpec("v6e", 128 * MIB, 256, 1.64e12, 9.2e14),
-    "v7": ChipSpec("v7", 64 * MIB, 256, 3.7e12, 1.155e15),
+    # Per TensorCore, i.e. half a chip: 7.4 TB/s HBM and 2.31 PFLOP/s bf16 a chip.
+    "tpu7x": ChipSpec("tpu7x", 64 * MIB, 256, 3.7e12, 1.155e15),
 }
+# Other names `default_block_sizes(chip=...)` accepts: "v7", this table's first name for TPU7x
+# (libtpu's topologies and the device kind say "tpu7x" / "TPU7x"; libtpu refuses "v7").
+CHIP_ALIASES = {"v7": "tpu7x"}
 
 # Used when lowering for TPU on a host without one (jax.export in CI): tiles that are legal and fit
 # on every generation above (the smallest VMEM, the widest MXU alignment).
@@ -76,8 +81,8 @@ _DEVICE_KINDS = {
     "TPU v5p": "v5p",
     "TPU v6 lite": "v6e",
     "TPU v6e": "v6e",
-    "TPU7x": "v7",
-    "TPU7": "v7",
+    "TPU7x": "tpu7x",
+    "TPU7": "tpu7x",
 }
 
 
@@ -209,8 +214,9 @@ def default_block_sizes(
         v: items V.
         d: hidden size D.
         dtype: input dtype (float32 or bfloat16).
-        chip: a key of `CHIPS`, a `ChipSpec`, or None to use `detect_chip()`, falling back to
-            `PORTABLE_CHIP` when no TPU is visible (e.g. when exporting for TPU from a CPU host).
+        chip: a key of `CHIPS` or `CHIP_ALIASES`, a `ChipSpec`, or None to use `detect_chip()`,
+            falling back to `PORTABLE_CHIP` when no TPU is visible (e.g. when exporting for TPU from
+            a CPU host).
         num_targets: target slots per row L; the default 1 budgets one 128-lane ids block, which
             covers any L <= 128.
 
@@ -218,9 +224,9 @@ def default_block_sizes(
         A validated `BlockSizes`.
     """
     if isinstance(chip, str):
-        if chip not in CHIPS:
-            raise ValueError(f"unknown TPU {chip=}; known: {sorted(CHIPS)}")
-        spec = CHIPS[chip]
+        if CHIP_ALIASES.get(chip, chip) not in CHIPS:
+            raise ValueError(f"unknown TPU {chip=}; known: {sorted(CHIPS)} (or {sorted(CHIP_ALIASES)})")
+        spec = CHIPS[CHIP_ALIASES.get(chip, chip)]
     else:
         spec = chip or detect_chip() or PORTABLE_CHIP
     align = max(spec.mxu_width, LANES)
