@@ -22,8 +22,10 @@ ROOT = HERE.parent
 if str(ROOT) not in sys.path:  # run as a script: `benchmarks.*` and the packages from the root
     sys.path.insert(0, str(ROOT))
 
+from benchmarks import tpu_compile  # noqa: E402
 from benchmarks.provenance import append_rows, command, git_sha, machine  # noqa: E402
-CHIPS = ("v4", "v5e", "v5p", "v6e")
+
+CHIPS = tuple(tpu_compile.TOPOLOGIES)  # tpu7x only with the newer libtpu (.venv-jax): see --chips
 DTYPES = ("float32", "bfloat16")
 NS = (1000, 8192, 16384)
 VS = (1000, 100_000, 876_939, 10_000_000)
@@ -41,7 +43,6 @@ def compile_one(chip, dtype, n, v, d, num_slots):
     import jax.numpy as jnp
 
     import jax_kernels
-    from benchmarks import tpu_compile
 
     tpu_compile.pin_mosaic_version()
 
@@ -55,8 +56,6 @@ def compile_one(chip, dtype, n, v, d, num_slots):
 
 
 def run_cell(chip, dtype, n, v, d, num_slots, timeout_s):
-    from benchmarks import tpu_compile
-
     cmd = [sys.executable, __file__, "--one", chip, dtype, str(n), str(v), str(d), str(num_slots)]
     row = dict(chip=chip, dtype=dtype, N=n, V=v, D=d, L=num_slots)
     r, error = tpu_compile.run_child(cmd, tpu_compile.child_env(), timeout_s, stderr_tail=500)
@@ -72,7 +71,8 @@ def run_cell(chip, dtype, n, v, d, num_slots, timeout_s):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--chips", nargs="+", default=CHIPS, choices=CHIPS)
+    p.add_argument("--chips", nargs="+", default=None, choices=CHIPS,
+                   help="default: every chip the environment's libtpu knows (tpu7x needs libtpu >= 0.0.50)")
     p.add_argument("--dtypes", nargs="+", default=DTYPES, choices=DTYPES)
     p.add_argument("--n", nargs="+", type=int, default=NS)
     p.add_argument("--v", nargs="+", type=int, default=VS)
@@ -86,10 +86,9 @@ def main():
     if args.one:
         chip, dtype, *sizes = args.one
         return compile_one(chip, dtype, *map(int, sizes))
-    from benchmarks import tpu_compile
-
     tpu_compile.require_overlay()
-    cells = sorted(itertools.product(args.chips, args.dtypes, args.n, args.v, args.d),
+    chips = args.chips or tpu_compile.supported_chips()
+    cells = sorted(itertools.product(chips, args.dtypes, args.n, args.v, args.d),
                    key=lambda c: (c[2] * c[4] + c[3] * c[4], c))  # smallest (N + V) D first
     cells = cells[: args.limit] if args.limit is not None else cells
     sha, where, host = git_sha(), command(), machine()
