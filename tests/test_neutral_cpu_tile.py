@@ -185,7 +185,7 @@ def test_other_platforms_lower_the_portable_tile(platform):
 
 
 def test_torch_falls_back_with_one_warning_when_the_kernel_cannot_be_built(monkeypatch):
-    def no_compiler():
+    def no_compiler(*_):  # c_library(warning)
         raise cpu_tile_build.BuildError("no C compiler found")
 
     z, g, cw = _fixed_tile()
@@ -215,7 +215,7 @@ def test_jax_falls_back_with_one_warning_when_the_kernel_cannot_be_built(monkeyp
     loss, args = _one_pass_loss()
     expected = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(*args)
 
-    def no_compiler(include_dir):
+    def no_compiler(include_dir, *_):  # ffi_library(include_dir, warning)
         raise cpu_tile_build.BuildError("no C++ compiler found")
 
     monkeypatch.setattr(cpu_tile_build, "ffi_library", no_compiler)

@@ -6,12 +6,15 @@
   killed the process with SIGBUS / SIGSEGV).
 - A loadable library without the kernel's symbols is a BuildError (one warning, the fallback tiles).
 - A `$CC` that does not exist is a BuildError naming it, not a silent switch to another compiler.
+- A build says so once, before it starts (README, 'What the first call says'); the JAX tile choice
+  then says its result, once per machine (torch's first call: tests/test_torch_first_call.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -56,13 +59,13 @@ with warnings.catch_warnings(record=True) as caught:
     loss = float(cut_bce(h, e, t, reduction="sum"))
     jax.config.update("jax_enable_x64", True)
     truth = float(dense_cut_bce(jnp.asarray(h, jnp.float64), jnp.asarray(e, jnp.float64), t, reduction="sum"))
-print(json.dumps({"warnings": [str(w.message) for w in caught if "kernel" in str(w.message)],
+print(json.dumps({"warnings": [str(w.message) for w in caught if str(w.message).startswith("jax_kernels")],
                   "tile": "c_kernel" if negative_tile._ffi_registered() else "xla", "error": abs(loss - truth) / truth}))
 """
 
 
-def _run(script: str, cache: Path) -> dict:
-    env = {**os.environ, "TORCH_CUTBCE_CACHE_DIR": str(cache), "TORCH_CUTBCE_TILE": "c_kernel"}
+def _run(script: str, cache: Path, tile: str = "c_kernel") -> dict:
+    env = {**os.environ, "TORCH_CUTBCE_CACHE_DIR": str(cache), "TORCH_CUTBCE_TILE": tile}
     env.pop("TORCH_CUTBCE_NO_COMPILE", None)
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
@@ -100,12 +103,14 @@ def _damage(library: Path, how: str) -> None:
 
 def _check_damage_is_survived(script: str, prefix: str, how: str, cache: Path) -> None:
     first = _run(script, cache)
-    assert first["tile"] == "c_kernel" and not first["warnings"], first
+    assert first["tile"] == "c_kernel" and len(first["warnings"]) == 1, first
+    assert re.match(r"\w+: building the CPU tile kernel.* for this machine .* once per machine", first["warnings"][0])
     (library,) = cache.glob(f"{prefix}-*.so")
     _damage(library, how)
     second = _run(script, cache)
     assert second["tile"] == "c_kernel", second  # rebuilt, not given up
     assert len(second["warnings"]) == 1 and "does not match the digest" in second["warnings"][0], second
+    assert "building it again" in second["warnings"][0], second  # said instead of the first build's message
     assert second["error"] <= 1e-5, second
     assert cpu_tile_build._intact(library)  # rebuilt whole: the next process loads it without a word
 
@@ -119,6 +124,16 @@ def test_a_damaged_cached_c_library_is_rebuilt_with_one_warning(how, tmp_path):
 @pytest.mark.parametrize("how", ["truncated", "foreign"])
 def test_a_damaged_cached_ffi_library_is_rebuilt_with_one_warning(how, tmp_path):
     _check_damage_is_survived(_JAX_RUN, "cpu_tile_ffi", how, tmp_path)
+
+
+@pytest.mark.jax
+def test_jax_says_the_build_and_the_choice_once_per_machine(tmp_path):
+    _compiler()
+    first = _run(_JAX_RUN, tmp_path, tile="auto")
+    assert len(first["warnings"]) == 2, first  # timing the two tiles takes about a second: said after only
+    assert first["warnings"][0].startswith("jax_kernels: building the CPU tile kernel's XLA FFI wrapper"), first
+    assert re.match(r"jax_kernels: float32 CPU tiles use '\w+': measured now", first["warnings"][1]), first
+    assert _run(_JAX_RUN, tmp_path, tile="auto")["warnings"] == []
 
 
 def test_a_library_without_the_kernels_symbols_is_a_build_error(tmp_path):

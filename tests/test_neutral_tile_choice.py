@@ -43,6 +43,14 @@ def test_the_measured_fastest_candidate_is_chosen_and_cached(timings, want, tmp_
     assert again.name == want and not again.measured_now and len(calls) == len(timings)  # not measured again
 
 
+def test_measuring_is_said_before_it_starts_and_only_when_it_happens(tmp_path):
+    order = []
+    candidates = {"c_kernel": lambda: order.append("measured") or 1.0}
+    for _ in range(2):  # the second finds the choice cached: neither measured nor said
+        tile_choice.cached_choice(tmp_path / "c.json", candidates, lambda: order.append("said"))
+    assert order == ["said", "measured"]
+
+
 def test_a_candidate_that_fails_to_run_drops_out(tmp_path):
     def broken():
         raise RuntimeError("no compiler")
@@ -81,7 +89,8 @@ def test_the_environment_forces_a_candidate(monkeypatch):
 ])
 def test_torch_runs_the_candidate_measured_fastest(timings, want, tmp_path, monkeypatch):
     """fused_tile's own timing of a candidate replaced by injected timings: the engines then run that tile
-    (and write the gradient over the logits only with the C kernel); the choice is announced."""
+    (and write the gradient over the logits only with the C kernel); the timing is said before it
+    starts, the choice after."""
     if fused_tile._cpu_library() is None:
         pytest.skip("no C compiler: only torch.compile's and the eager tile are candidates")
     monkeypatch.delenv(tile_choice.ENV, raising=False)
@@ -93,8 +102,13 @@ def test_torch_runs_the_candidate_measured_fastest(timings, want, tmp_path, monk
     monkeypatch.setitem(fused_tile._EAGER, "rows_grad", _recording(fused_tile._EAGER["rows_grad"], "eager", ran))
     fused_tile._measured_cpu_tile.cache_clear()
     try:
-        with pytest.warns(fused_tile.TileCompileWarning, match=f"float32 CPU tiles use '{want}': measured now"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             assert fused_tile._plain_cpu_tile() == want
+        said = [str(w.message) for w in caught if w.category is fused_tile.TileCompileWarning]
+        assert len(said) == 2, said  # before timing (it compiles), then the result
+        assert "timing the float32 CPU tiles (c_kernel, compiled, eager)" in said[0], said
+        assert f"float32 CPU tiles use '{want}': measured now" in said[1], said
         assert fused_tile.writes_grad_in_place(torch.float32, torch.device("cpu")) == (want == "c_kernel")
         ran.clear()
         z = torch.randn(8, 64)

@@ -20,11 +20,15 @@ loop per function) with log1p as a polynomial (`branch_math.log1p_tail`, 4e-9 re
 log1p costs about 4 exps); everything else runs the eager twin (float64, a side of length 1,
 `TORCH_CUTBCE_NO_COMPILE=1`, no compiler). Rows are summed exactly at any width (`_row_sum`,
 `_eager_weighted_sum`). Why each choice, with timings: benchmarks/NOTES.md sections 1, 7 and 12.
+Each slow first-call step says so before it starts, as a `TileCompileWarning` (README, 'What the
+first call says').
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import shutil
 import time
 import warnings
 
@@ -35,6 +39,7 @@ from torch_cutbce import branch_math
 
 _compile_seconds: dict[str, float] = {}
 _compile_failed = False
+_no_cxx_said = False
 
 
 def compile_seconds() -> dict[str, float]:
@@ -181,13 +186,37 @@ _EAGER = {"rows": _eager_rows, "rows_grad": _eager_rows_grad, "grad": _eager_gra
 
 @functools.cache
 def _cpu_library():
-    """The ctypes library of `cpu_tile.c`, or None (said once) where it cannot be built."""
+    """The ctypes library of `cpu_tile.c` (its build said first), or None (said once, with what
+    runs instead) where it cannot be built."""
+    global _no_cxx_said
     try:
-        return cpu_tile_build.c_library()
+        return cpu_tile_build.c_library(TileCompileWarning)
     except cpu_tile_build.BuildError as error:
-        warnings.warn(f"torch_cutbce: the CPU tile kernel could not be built ({error}); "
-                      f"using torch.compile'd tiles instead")
+        if _cpu_compiling_allowed():
+            instead = "; float32 CPU tiles use torch.compile's tiles instead (compiled once per process)"
+        elif _cxx_found():
+            instead = "; float32 CPU tiles run eager instead, about 2x slower"
+        else:
+            _no_cxx_said = True
+            instead = f", and {_NO_CXX}"
+        warnings.warn(f"torch_cutbce: the CPU tile kernel could not be built ({error}){instead}",
+                      TileCompileWarning, stacklevel=2)
         return None
+
+
+_NO_CXX = ("torch.compile has no C++ compiler here ($CXX, else g++), so CPU tiles run eager, about 2x slower; "
+           "install gcc and g++ for the fast tiles")
+
+
+@functools.cache
+def _cxx_found() -> bool:
+    """Whether inductor's CPU code has its C++ compiler (`$CXX`, else g++): without one CPU
+    torch.compile fails, after a trace of about 10 s, so it is not tried."""
+    return shutil.which(os.environ.get("CXX") or "g++") is not None
+
+
+def _cpu_compiling_allowed() -> bool:
+    return _compiling_allowed() and _cxx_found()
 
 
 _CPU_KERNEL_FUNCTIONS = ("rows", "rows_grad", "grad", "counts")
@@ -237,22 +266,26 @@ def _plain_cpu_tile() -> str:
     torch.compile's tile without the C kernel, the eager one without a compiler. Env read per call."""
     if cpu_tile_build.disabled():
         return "eager"
-    library = _cpu_library()
     forced = tile_choice.forced(TILES)
-    if forced == "eager" or (forced == "compiled" and _compiling_allowed()) or (forced == "c_kernel" and library):
+    if forced == "eager" or (forced == "compiled" and _cpu_compiling_allowed()):
+        return forced  # without building the C kernel
+    library = _cpu_library()
+    if forced == "c_kernel" and library:
         return forced
     if library is None:
-        return "compiled" if _compiling_allowed() else "eager"
+        return "compiled" if _cpu_compiling_allowed() else "eager"
     return _measured_cpu_tile().name
 
 
 @functools.cache
 def _measured_cpu_tile() -> tile_choice.Choice:
     """The fastest candidate, measured once per machine and torch version (cached beside the build)."""
-    names = [tile for tile in TILES if tile != "compiled" or _compiling_allowed()]
+    names = [tile for tile in TILES if tile != "compiled" or _cpu_compiling_allowed()]
+    # The compile is part of the choice: said here, not again by _run_compiled in this process.
+    cost = "this compiles torch.compile's tile for the comparison: 10-60 s" if "compiled" in names else None
     return tile_choice.announced_choice(cpu_tile_build.library_path(_cpu_library()), "torch", torch.__version__,
                                         {tile: (lambda tile=tile: _time_candidate(tile)) for tile in names},
-                                        TILES, TileCompileWarning)
+                                        TILES, TileCompileWarning, cost)
 
 
 def _time_candidate(tile: str) -> float:
@@ -264,7 +297,7 @@ def _time_candidate(tile: str) -> float:
         if tile == "c_kernel":
             return _run_cpu_kernel("rows_grad", z, None, g, z)  # in place, as the engines call it
         if tile == "compiled":
-            result = _run_compiled("rows_grad", z, None, g, out)
+            result = _run_compiled("rows_grad", z, None, g, out, announce=False)
             if _compile_failed:
                 raise RuntimeError("torch.compile failed")
             return result
@@ -296,15 +329,18 @@ def _compiled(name: str, threads: int, split: tuple[int, bool] | None = None):
 
 
 class TileCompileWarning(UserWarning):
-    """Said once per process before the first tile function is compiled (it takes a while), and
-    once per machine when the CPU tile is chosen by measuring the candidates."""
+    """torch_cutbce's first-call messages: before the CPU kernel is built and before the CPU tiles
+    are timed (once per machine, with the tile then chosen), and before the plain or the focal tile
+    functions are first compiled in a process (once per process each)."""
 
 
-def _announce_compile() -> None:
+def _announce_compile(name: str, z: torch.Tensor) -> None:
+    what = "focal " if name.startswith("focal") else ""
+    where = "CUDA (Triton)" if z.device.type == "cuda" else "the CPU"
     warnings.warn(
-        "torch_cutbce: compiling the float32 tile functions with torch.compile, once per process "
-        "(about 10-60 s on a fresh machine, a few seconds once inductor's on-disk cache holds them; "
-        "TORCH_CUTBCE_NO_COMPILE=1 skips this and runs slower eager tiles)",
+        f"torch_cutbce: compiling the float32 {what}tile functions for {where} with torch.compile, once per "
+        f"process: 10-60 s the first time on a machine, 5-20 s once inductor's on-disk cache holds them; "
+        f"TORCH_CUTBCE_NO_COMPILE=1 skips this (eager tiles, about 2x slower)",
         TileCompileWarning,
         stacklevel=5,
     )
@@ -317,10 +353,14 @@ def _ones_row(width: int, dtype: torch.dtype, device: torch.device) -> torch.Ten
 
 
 def _can_compile(z: torch.Tensor) -> bool:
+    global _no_cxx_said
     if not _compiling_allowed() or z.dtype != torch.float32 or min(z.shape) < 2:
         return False
     if z.device.type == "cpu":
-        return True
+        if not _cxx_found() and not _no_cxx_said:
+            _no_cxx_said = True
+            warnings.warn(f"torch_cutbce: {_NO_CXX}", TileCompileWarning, stacklevel=5)
+        return _cxx_found()
     if z.device.type == "cuda":
         from torch.utils._triton import has_triton
 
@@ -339,7 +379,9 @@ def _run(name: str, z: torch.Tensor, *args):
     return _EAGER[name](z, *args)
 
 
-def _run_compiled(name: str, z: torch.Tensor, *args):
+def _run_compiled(name: str, z: torch.Tensor, *args, announce: bool = True):
+    """`name`'s compiled function; its family's (plain or focal) first compile in the process is
+    said first (`announce`: False while the tiles are being timed, which says so itself)."""
     global _compile_failed
     # One kernel per function, compiled once: dynamo guards on aliasing and on whether a small input
     # is a view, so a missing class weight becomes its own ones row (one multiply per element) and
@@ -355,8 +397,9 @@ def _run_compiled(name: str, z: torch.Tensor, *args):
         for k, a in enumerate(tensors)
     ]
     first = name not in _compile_seconds
-    if first and not _compile_seconds:
-        _announce_compile()
+    focal = name.startswith("focal")
+    if announce and first and not any(key.startswith("focal") == focal for key in _compile_seconds):
+        _announce_compile(name, z)
     start = time.perf_counter()
     try:
         with torch.no_grad():  # as inside the autograd Functions: one grad mode, one compiled kernel
@@ -364,7 +407,8 @@ def _run_compiled(name: str, z: torch.Tensor, *args):
     except Exception as error:  # a missing compiler, an inductor bug: the eager twin is exact too
         _compile_failed = True
         warnings.warn(f"torch_cutbce: torch.compile of the tile function failed ({error!r}); "
-                      f"using eager tiles from now on (set TORCH_CUTBCE_NO_COMPILE=1 to skip the attempt)")
+                      f"using eager tiles from now on (set TORCH_CUTBCE_NO_COMPILE=1 to skip the attempt)",
+                      TileCompileWarning)
         return _EAGER[name](z, *args)
     if first:
         _compile_seconds[name] = time.perf_counter() - start

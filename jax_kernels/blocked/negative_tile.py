@@ -33,11 +33,13 @@ from jax_kernels.branch_math import branch_terms
 
 @functools.cache
 def _ffi_registered() -> bool:
-    """Builds and registers the FFI handlers once; False (said once) where they cannot be built."""
+    """Builds (said first, once per machine) and registers the FFI handlers once; False (said once)
+    where they cannot be built."""
     try:
-        lib = cpu_tile_build.ffi_library(jax.ffi.include_dir())
+        lib = _ffi_library()
     except cpu_tile_build.BuildError as error:
-        warnings.warn(f"jax_kernels: the CPU tile kernel could not be built ({error}); using jnp tiles")
+        warnings.warn(f"jax_kernels: the CPU tile kernel could not be built ({error}); using jnp tiles",
+                      tile_choice.TileChoiceWarning)
         return False
     for name in cpu_tile_build.FFI_SYMBOLS:
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
@@ -56,12 +58,15 @@ def _kernel_chosen() -> bool:
     return _ffi_registered() and _measured_tile().name == "c_kernel"
 
 
+def _ffi_library():
+    return cpu_tile_build.ffi_library(jax.ffi.include_dir(), tile_choice.TileChoiceWarning)
+
+
 @functools.cache
 def _measured_tile() -> tile_choice.Choice:
-    library = cpu_tile_build.library_path(cpu_tile_build.ffi_library(jax.ffi.include_dir()))
-    return tile_choice.announced_choice(library, "jax", jax.__version__,
+    return tile_choice.announced_choice(cpu_tile_build.library_path(_ffi_library()), "jax", jax.__version__,
                                         {tile: (lambda tile=tile: _time_candidate(tile)) for tile in TILES},
-                                        TILES, tile_choice.TileChoiceWarning)
+                                        TILES, tile_choice.TileChoiceWarning)  # about a second: said after
 
 
 def _time_candidate(tile: str) -> float:

@@ -3,9 +3,10 @@
 Framework-neutral: torch loads the C library through ctypes, JAX the FFI one. Each library is built
 for the CPU it runs on and cached, keyed by sources, flags, compiler and CPU; a cached one is loaded
 only if it matches its recorded SHA-256 and has its symbols, since a damaged library can kill the
-process inside dlopen. Any failure is a BuildError, which the callers turn into one warning and
-their portable tiles. Compiler, flags, cache and switches: docs/toolchain.md, 'The CPU tile
-kernel's build'.
+process inside dlopen. A build says so before it starts, as the caller's `warning` (once per
+machine; a cached library loads without a word). Any failure is a BuildError, which the callers turn
+into one warning and their portable tiles. Compiler, flags, cache and switches: docs/toolchain.md,
+'The CPU tile kernel's build'.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
@@ -53,10 +55,12 @@ FFI_SYMBOLS = ("cutbce_rows", "cutbce_rows_grad", "cutbce_grad")
 
 
 @functools.cache
-def c_library() -> ctypes.CDLL:
-    """`cpu_tile.c` as a ctypes library with `cutbce_tile` and `cutbce_counts` typed; BuildError if
-    it cannot be built here. `library_path(lib)` is its file in the cache."""
-    lib = _load(_build("cpu_tile.c", c_compiler(), C_FLAGS), C_SYMBOLS)
+def c_library(warning: type[Warning] = UserWarning) -> ctypes.CDLL:
+    """`cpu_tile.c` as a ctypes library with `cutbce_tile` and `cutbce_counts` typed (torch's); a
+    build says so first as `warning`; BuildError if it cannot be built here. `library_path(lib)` is
+    its file in the cache."""
+    build = _Build("torch_cutbce", "the CPU tile kernel", "under a second", warning)
+    lib = _load(_build("cpu_tile.c", c_compiler(), C_FLAGS, announce=build), C_SYMBOLS)
     pointer, size = ctypes.c_void_p, ctypes.c_long
     lib.cutbce_tile.argtypes = [pointer] * 5 + [size, size, ctypes.c_int]
     lib.cutbce_tile.restype = None
@@ -73,12 +77,14 @@ def library_path(lib: ctypes.CDLL) -> Path:
 
 
 @functools.cache
-def ffi_library(include_dir: str) -> ctypes.CDLL:
-    """`cpu_tile_ffi.cc` (the XLA FFI handlers around `cpu_tile.c`) built against jaxlib's headers in
-    `include_dir`; BuildError if it cannot be built here."""
+def ffi_library(include_dir: str, warning: type[Warning] = UserWarning) -> ctypes.CDLL:
+    """`cpu_tile_ffi.cc` (the XLA FFI handlers around `cpu_tile.c`, JAX's) built against jaxlib's
+    headers in `include_dir`; a build says so first as `warning`; BuildError if it cannot be built here."""
     compiler = _compiler("CXX", ("c++", "g++", "clang++"))
+    build = _Build("jax_kernels", "the CPU tile kernel's XLA FFI wrapper", "5-15 s", warning)
     return _load(_build("cpu_tile_ffi.cc", compiler, ["-std=c++17", f"-I{include_dir}", f"-I{_HERE}"],
-                        extra_sources=("cpu_tile.c",), key_extra=_headers_digest(include_dir)), FFI_SYMBOLS)
+                        extra_sources=("cpu_tile.c",), key_extra=_headers_digest(include_dir), announce=build),
+                 FFI_SYMBOLS)
 
 
 def c_compiler() -> str:
@@ -104,8 +110,32 @@ def _compiler(variable: str, candidates: tuple[str, ...]) -> str:
     raise BuildError(f"no C/C++ compiler found (${variable}, or one of {', '.join(candidates)} on PATH)")
 
 
-def _build(source: str, compiler: str, extra_flags: list[str], extra_sources=(), key_extra: str = "") -> Path:
-    """The cached library built from `source` (and the files it includes, `extra_sources`)."""
+@dataclass(frozen=True)
+class _Build:
+    """What a build tells the user before it starts: who builds `what`, how long it takes (`cost`,
+    measured on a 2-core x86-64 host), and as which warning category."""
+
+    prefix: str
+    what: str
+    cost: str
+    warning: type[Warning]
+
+    def announce(self, compiler: str, folder: Path, damaged: Path | None) -> None:
+        command = f"{Path(compiler).name} {' '.join(flags()[:2])} ..."
+        if damaged is not None:
+            why = (f"the cached {self.what} {damaged} does not match the digest recorded when it was built "
+                   f"(damaged or replaced); building it again ({command}, {self.cost})")
+        else:
+            why = (f"building {self.what} for this machine ({command}, {self.cost}), once per machine, "
+                   f"into {folder} (TORCH_CUTBCE_CACHE_DIR); TORCH_CUTBCE_NO_COMPILE=1 skips every build "
+                   f"and compile (slower tiles)")
+        warnings.warn(f"{self.prefix}: {why}", self.warning, stacklevel=2)
+
+
+def _build(source: str, compiler: str, extra_flags: list[str], extra_sources=(), key_extra: str = "",
+           announce: _Build | None = None) -> Path:
+    """The cached library built from `source` (and the files it includes, `extra_sources`); a
+    build, or a rebuild of a damaged one, is said first through `announce`."""
     command_flags = flags() + extra_flags
     digest = hashlib.sha256()
     for name in (source, *extra_sources):
@@ -113,11 +143,11 @@ def _build(source: str, compiler: str, extra_flags: list[str], extra_sources=(),
     for part in (" ".join(command_flags), _version(compiler), _cpu_features(), platform.machine(), key_extra):
         digest.update(part.encode())
     target = cache_dir() / f"{Path(source).stem}-{digest.hexdigest()[:20]}.so"
+    damaged = None
     if target.exists():
         if _intact(target):
             return target
-        warnings.warn(f"torch_cutbce: the cached CPU tile kernel {target} does not match the digest "
-                      f"recorded when it was built (damaged or replaced); building it again")
+        damaged = target
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so.tmp", delete=False) as scratch:
@@ -125,6 +155,8 @@ def _build(source: str, compiler: str, extra_flags: list[str], extra_sources=(),
     except OSError as error:
         raise BuildError(f"cannot write the kernel cache {target.parent} ({error}); "
                          f"set TORCH_CUTBCE_CACHE_DIR to a writable folder") from error
+    announce = announce or _Build("torch_cutbce", source, "a few seconds", UserWarning)
+    announce.announce(compiler, target.parent, damaged)
     try:
         result = subprocess.run([compiler, *command_flags, str(_HERE / source), "-o", str(temporary)],
                                 capture_output=True, text=True, timeout=300)

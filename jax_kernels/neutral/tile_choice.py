@@ -27,8 +27,8 @@ logger = logging.getLogger("torch_cutbce.tiles")
 
 
 class TileChoiceWarning(UserWarning):
-    """Said once per machine, when the tile is chosen by timing the candidates (JAX's; torch says
-    it as its TileCompileWarning)."""
+    """jax_kernels' first-call messages, each once per machine: before its kernel is built, before
+    the tiles are timed, and the tile then chosen (torch says the same as its TileCompileWarning)."""
 
 
 @dataclass(frozen=True)
@@ -70,16 +70,19 @@ def median_ms(run: Callable[[], object], repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def cached_choice(path: Path, candidates: dict[str, Callable[[], float]]) -> Choice:
+def cached_choice(path: Path, candidates: dict[str, Callable[[], float]],
+                  before_measuring: Callable[[], None] = lambda: None) -> Choice:
     """The candidate cached in `path` if it is still one of `candidates`, else each candidate's
-    measurement (a function returning ms; one that raises drops out), the fastest written to `path`.
-    A cache that cannot be written is only logged: the choice stands for this process."""
+    measurement (a function returning ms; one that raises drops out), the fastest written to `path`;
+    `before_measuring()` runs first (to say so). A cache that cannot be written is only logged: the
+    choice stands for this process."""
     try:
         cached = json.loads(path.read_text())
         if cached.get("choice") in candidates:
             return Choice(cached["choice"], f"cached in {path} ({_timings_text(cached['timings_ms'])})")
     except (OSError, ValueError, KeyError, AttributeError, TypeError):
         pass  # missing or unreadable: measure again
+    before_measuring()
     timings_ms = {}
     for name, measure in candidates.items():
         try:
@@ -95,12 +98,20 @@ def cached_choice(path: Path, candidates: dict[str, Callable[[], float]]) -> Cho
 
 
 def announced_choice(library: Path, framework: str, version: str, candidates: dict[str, Callable[[], float]],
-                     tiles: tuple[str, ...], warning: type[Warning]) -> Choice:
+                     tiles: tuple[str, ...], warning: type[Warning], cost: str | None = None) -> Choice:
     """`cached_choice` for `framework`'s tiles, cached beside the kernel's `library` as
-    `<library>.<framework>-<version>.json`; said on the log in each process, and as `warning` when
-    it was measured now (once per machine). `tiles`: what `ENV` may name there."""
-    choice = cached_choice(library.with_name(f"{library.name}.{framework}-{version}.json"), candidates)
+    `<library>.<framework>-<version>.json`. Measuring (once per machine) is said as `warning` with
+    its result, and before it starts where it is slow (`cost`: how long and why; None: about a
+    second, not said first); the choice is on the log in each process. `tiles`: what `ENV` may name."""
     prefix = "torch_cutbce" if framework == "torch" else "jax_kernels"
+
+    def before_measuring():
+        if cost is not None:
+            warnings.warn(f"{prefix}: timing the float32 CPU tiles ({', '.join(candidates)}) to keep the fastest, "
+                          f"once per machine ({cost}); {ENV}={tiles[0]} skips it", warning, stacklevel=4)
+
+    choice = cached_choice(library.with_name(f"{library.name}.{framework}-{version}.json"), candidates,
+                           before_measuring)
     message = (f"{prefix}: float32 CPU tiles use '{choice.name}': {choice.why}; "
                f"{ENV} forces one of {tiles}")
     logger.info(message)
