@@ -32,6 +32,8 @@ def _fake(ms, calls, name):
     ({"c_kernel": 0.5, "compiled": 1.0, "eager": 3.0}, "c_kernel"),
     ({"c_kernel": 9.0, "compiled": 8.0, "eager": 3.0}, "eager"),
     ({"c_kernel": 1.0, "compiled": 1.0}, "c_kernel"),  # a tie keeps the first listed
+    ({"c_kernel": 1.0, "compiled": 0.95, "eager": 3.0}, "c_kernel"),  # so does a near tie (within MARGIN)
+    ({"c_kernel": 1.0, "compiled": 0.85, "eager": 0.8}, "compiled"),  # eager: not 10% faster than compiled
 ])
 def test_the_measured_fastest_candidate_is_chosen_and_cached(timings, want, tmp_path):
     calls = []

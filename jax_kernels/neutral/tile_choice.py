@@ -54,9 +54,20 @@ def forced(choices: tuple[str, ...]) -> str | None:
     return value
 
 
+# A later-listed candidate must be this much faster than an earlier one to be chosen. The callers
+# list them by what they cost beyond their time (the C kernel: nothing per process; torch.compile's
+# tile: a compile in every process), and timings on a shared machine differ by about this much run
+# to run: a near tie then keeps the cheaper candidate instead of a coin flip.
+MARGIN = 0.10
+
+
 def fastest(timings_ms: dict[str, float]) -> str:
-    """The candidate with the smallest time (the first listed on a tie)."""
-    return min(timings_ms, key=lambda name: timings_ms[name])
+    """The first listed candidate, unless a later one is more than MARGIN faster than the choice so far."""
+    best = None
+    for name, ms in timings_ms.items():
+        if best is None or ms < timings_ms[best] * (1 - MARGIN):
+            best = name
+    return best
 
 
 def median_ms(run: Callable[[], object], repeats: int = 5) -> float:
