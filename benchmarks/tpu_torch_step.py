@@ -147,7 +147,8 @@ def adam_in_steady_state(model):
 
 
 def step_loss(cell: Cell, model, batch, mesh):
-    """The examples' loss (train.bce_loss): mean over real positions and all V items.
+    """The examples' full-catalog loss (examples/losses.py, `--normalization items`: the mean over real
+    positions and all V items; the divisor changes no buffer the compiler allocates).
 
     'cutbce' goes through the bridge's Pallas path; 'dense' is `torch.nn.BCEWithLogitsLoss` on the
     `[B, T, V]` logits and multi-hot, the code CutBCE replaces. Under SPMD 'dense' marks both
@@ -156,7 +157,7 @@ def step_loss(cell: Cell, model, batch, mesh):
     """
     import torch
 
-    from examples.train import multi_hot
+    from examples.losses import multi_hot
     from torch_cutbce import cut_bce_with_logits
 
     hidden = model(batch["inputs"])

@@ -16,7 +16,11 @@ from pathlib import Path
 from examples import data
 
 MODEL_NAMES = ("sasrec", "bert4rec")
-LOSSES = ("cutbce", "focal", "dense")
+LOSSES = ("cutbce", "focal", "dense", "sampled")
+NORMALIZATIONS = ("items", "positions", "mean")
+OPTIMIZERS = ("adam", "adamw")
+# AdamW's weight decay when --weight-decay is not given: torch's own default.
+ADAMW_WEIGHT_DECAY = 0.01
 
 
 def option(default, help: str, **argparse_kwargs):
@@ -37,8 +41,18 @@ class TrainConfig:
     synthetic_items: int = option(100_000, "--dataset synthetic: catalog size V")
     synthetic_users: int = option(10_000, "--dataset synthetic: number of users")
     loss: str = option("cutbce", "cutbce; focal: focal CutBCE (--focal-gamma, --focal-alpha, "
-                                 "--focal-balancing); dense: the materialized BCEWithLogitsLoss it replaces (the A/B)",
+                                 "--focal-balancing); dense: the materialized BCEWithLogitsLoss it replaces (the A/B); "
+                                 "sampled (sasrec only): the next item against --negatives uniformly sampled items the "
+                                 "user has not seen, the BCE of common PyTorch SASRec code (the baseline)",
                        choices=LOSSES)
+    negatives: int = option(1, "--loss sampled: sampled negatives per position")
+    normalization: str = option("positions", "what the summed BCE of cutbce/focal/dense is divided by: positions = "
+                                             "real positions (the per-position sum over all items); items = real "
+                                             "positions x V; mean = reduction='mean', B x T x V, padded positions "
+                                             "included. items and mean make gradients ~V times smaller, below "
+                                             "Adam's eps from V ~ 2e4 on (examples/RESULTS.md). --loss sampled: "
+                                             "always its own mean over real positions",
+                                choices=NORMALIZATIONS)
     focal_gamma: float = option(2.0, "--loss focal: the focusing exponent gamma >= 0")
     focal_alpha: float = option(0.25, "--loss focal with --focal-balancing: the positives' weight alpha in [0, 1]")
     focal_balancing: bool = option(False, "--loss focal: weigh positives by alpha and negatives by 1 - alpha")
@@ -66,8 +80,14 @@ class TrainConfig:
     # optimization
     epochs: int = option(20, "passes over the training windows")
     batch_size: int = option(64, "sequences per step")
-    lr: float = option(3e-3, "Adam learning rate")
-    weight_decay: float = option(0.0, "Adam weight decay (L2)")
+    optimizer: str = option("adam", "adam: torch.optim.Adam (weight decay as an L2 term in the gradient); "
+                                     "adamw: torch.optim.AdamW (decoupled weight decay, on every parameter)",
+                            choices=OPTIMIZERS)
+    lr: float = option(3e-3, "learning rate")
+    adam_eps: float = option(1e-8, "the optimizer's eps (Adam and AdamW): it is added to sqrt(v), so gradients "
+                                   "much smaller than eps get steps much smaller than lr")
+    weight_decay: float = option(None, "weight decay (not given: 0 with adam, 0.01 with adamw, torch's AdamW default)",
+                                 type=float)
     pos_weight: float = option(1.0, "BCE weight of the positive term (negatives outnumber positives V / k to 1)")
     block_v: int = option(0, "CutBCE vocabulary tile width (0: the library's default)")
     # evaluation and checkpoints
@@ -94,6 +114,16 @@ class TrainConfig:
                               ("device", ("cpu", "xla"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"unknown --{name} {getattr(self, name)!r}; choose one of {', '.join(allowed)}")
+        for name, allowed in (("normalization", NORMALIZATIONS), ("optimizer", OPTIMIZERS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"unknown --{name} {getattr(self, name)!r}; choose one of {', '.join(allowed)}")
+        if self.weight_decay is None:
+            self.weight_decay = ADAMW_WEIGHT_DECAY if self.optimizer == "adamw" else 0.0
+        if self.loss == "sampled" and self.model != "sasrec":
+            raise ValueError(f"--loss sampled trains SASRec only (the next item against sampled ones), "
+                             f"got --model {self.model}")
+        if self.loss == "sampled" and self.mesh:
+            raise ValueError(f"--loss sampled runs on one device, got --mesh {self.mesh}")
         if self.exclude_seen not in ("auto", "yes", "no"):
             raise ValueError(f"--exclude-seen must be auto, yes or no, got {self.exclude_seen!r}")
         if self.mesh and (self.device != "xla" or not re.fullmatch(r"\d+x\d+", self.mesh)):
@@ -103,7 +133,8 @@ class TrainConfig:
         if self.data_path and not Path(self.data_path).exists():
             raise ValueError(f"--data-path {self.data_path!r} does not exist")
         at_least = {name: 1 for name in ("k", "bert_labels", "holdout", "max_len", "batch_size", "eval_batch_size",
-                                         "epochs", "synthetic_items", "synthetic_users", "dim", "num_heads")}
+                                         "epochs", "synthetic_items", "synthetic_users", "dim", "num_heads",
+                                         "negatives")}
         at_least.update({name: 0 for name in ("num_layers", "block_v", "patience", "ckpt_every", "max_steps",
                                               "num_threads")})
         for name, low in at_least.items():
@@ -117,6 +148,7 @@ class TrainConfig:
                                ("pos_weight", self.pos_weight > 0, "> 0"),
                                ("dropout", 0 <= self.dropout < 1, "in [0, 1)"),
                                ("weight_decay", self.weight_decay >= 0, ">= 0"),
+                               ("adam_eps", self.adam_eps > 0, "> 0"),
                                ("focal_gamma", self.focal_gamma >= 0, ">= 0"),
                                ("focal_alpha", 0 <= self.focal_alpha <= 1, "in [0, 1]")):
             if not ok:
@@ -150,7 +182,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
                                help=f.metadata["help"])
         else:
-            group.add_argument(flag, type=type(f.default), default=f.default, **f.metadata)
+            group.add_argument(flag, **{"type": type(f.default), "default": f.default, **f.metadata})
     return parser
 
 

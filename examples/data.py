@@ -258,6 +258,13 @@ def stage_bounds(ds: SeqDataset, holdout: int, stage: str) -> tuple[np.ndarray, 
     return ends - shift, target_end
 
 
+def window_users(ds: SeqDataset, holdout: int, max_len: int) -> np.ndarray:
+    """`[M]`: the user of each row of `train_windows(ds, holdout, max_len, k)` (any k)."""
+    train_end, _ = stage_bounds(ds, holdout, "train")
+    n = train_end - ds.offsets[:-1]  # >= 1 after drop_short_users(2h + 1)
+    return np.repeat(np.arange(ds.num_users), -(-n // max_len))
+
+
 def train_windows(ds: SeqDataset, holdout: int, max_len: int, k: int) -> np.ndarray:
     """Training rows `[M, max_len + k]`: max_len input items plus the k items that follow.
 
@@ -268,9 +275,8 @@ def train_windows(ds: SeqDataset, holdout: int, max_len: int, k: int) -> np.ndar
     """
     starts = ds.offsets[:-1]
     train_end, _ = stage_bounds(ds, holdout, "train")
-    n = train_end - starts  # >= 1 after drop_short_users(2h + 1)
-    per_user = -(-n // max_len)
-    user = np.repeat(np.arange(ds.num_users), per_user)
+    user = window_users(ds, holdout, max_len)
+    per_user = np.bincount(user, minlength=ds.num_users)
     back = np.arange(per_user.sum()) - np.repeat(np.cumsum(per_user) - per_user, per_user)
     last = train_end[user] - 1 - back * max_len  # index of each window's last input item
     pos = last[:, None] - max_len + 1 + np.arange(max_len + k)[None, :]
@@ -303,6 +309,51 @@ def item_counts(ds: SeqDataset, holdout: int, stage: str) -> np.ndarray:
     lengths = context_end - starts
     index = np.repeat(starts, lengths) + np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
     return np.bincount(ds.items[index], minlength=ds.num_items + 1)
+
+
+class NegativeSampler:
+    """Negatives for the sampled-BCE baseline: items drawn uniformly from those a user has not seen.
+
+    "Seen" is the user's training part (what `train_windows` holds), as in PyTorch SASRec code,
+    which excludes the user's training items; a position's positive (its next item) is one of them,
+    so it is never drawn. Membership is a binary search in the sorted keys user * (V + 1) + item,
+    so a draw costs O(draws log E) and no `[U, V]` table exists at any catalog size.
+    """
+
+    def __init__(self, ds: SeqDataset, holdout: int):
+        starts = ds.offsets[:-1]
+        train_end, _ = stage_bounds(ds, holdout, "train")
+        lengths = train_end - starts
+        users = np.repeat(np.arange(ds.num_users), lengths)
+        index = np.repeat(starts - np.cumsum(lengths) + lengths, lengths) + np.arange(lengths.sum())
+        self.num_items = ds.num_items
+        self.keys = np.unique(users * (ds.num_items + 1) + ds.items[index])  # sorted
+        seen = np.bincount(self.keys // (ds.num_items + 1), minlength=ds.num_users)
+        if (seen >= ds.num_items).any():
+            user = int(np.argmax(seen >= ds.num_items))
+            raise ValueError(f"{ds.name}: user {user} has seen all {ds.num_items} items in training; "
+                             "no negative can be sampled for it")
+
+    def seen(self, users: np.ndarray, items: np.ndarray) -> np.ndarray:
+        """Whether each (user, item) pair is in the training data (same-shape bool)."""
+        keys = users * (self.num_items + 1) + items
+        at = np.minimum(np.searchsorted(self.keys, keys), len(self.keys) - 1)
+        return self.keys[at] == keys
+
+    def sample(self, users: np.ndarray, per_user: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+        """Item ids (1..V) `[len(users), *per_user]`, each uniform over its user's unseen items.
+
+        Rejected draws are redrawn until none is left (a user has seen at most V - 1 items, so this
+        ends; each round keeps a fraction seen / V). A user of -1 (a padding row) has seen nothing.
+        """
+        users = np.broadcast_to(np.asarray(users, dtype=np.int64).reshape(-1, *[1] * len(per_user)),
+                                (len(users), *per_user))
+        items = rng.integers(1, self.num_items + 1, size=users.shape)
+        redraw = self.seen(users, items)
+        while redraw.any():
+            items[redraw] = rng.integers(1, self.num_items + 1, size=int(redraw.sum()))
+            redraw[redraw] = self.seen(users[redraw], items[redraw])
+        return items
 
 
 def to_catalog_ids(item_ids):

@@ -3,6 +3,7 @@
     python examples/train.py                      # SASRec + CutBCE on MovieLens-100K, CPU
     python examples/train.py --model bert4rec
     python examples/train.py --loss dense         # the materialized BCEWithLogitsLoss A/B
+    python examples/train.py --loss sampled       # baseline: the next item against 1 sampled negative
     python examples/train.py --dataset synthetic --synthetic-items 1000000
     python examples/train.py --device xla         # torch_xla (TPU, or PJRT_DEVICE=CPU)
     python examples/train.py --resume             # continue runs/.../ckpt.pt exactly where it stopped
@@ -34,7 +35,6 @@ if __package__ in (None, ""):  # run as a script: make `examples` and `torch_cut
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from examples import data
@@ -43,16 +43,19 @@ from examples.config import TrainConfig, parse_args
 from examples.checkpoint import atomic_save, rng_states, set_rng_states, to_cpu
 from examples.device import get_device, make_mesh, shard, sync
 from examples.evaluate import evaluate, format_metrics, model_query, popularity_query
+# multi_hot: benchmarks/tpu_torch_step.py imports it from here.
+from examples.losses import bce_loss, multi_hot, sampled_bce_loss  # noqa: F401
 from examples.sasrec import RecConfig, SASRec
-from torch_cutbce import Focal, cut_bce_with_logits
 
 MODELS = {"sasrec": SASRec, "bert4rec": BERT4Rec}
+NEGATIVES_STREAM = 2  # the negatives' generator is seeded [seed, step, 2]; the data order's is [seed, epoch]
 
 
 # Settings a resumed run must share with the checkpoint (the rest, e.g. --epochs, may change).
 SAME_ON_RESUME = ("model", "dataset", "data_path", "synthetic_items", "synthetic_users", "loss", "seed", "holdout",
                   "k", "bert_labels", "max_len", "mask_prob", "dim", "num_layers", "num_heads", "dropout",
-                  "item_bias", "batch_size", "lr", "weight_decay", "pos_weight", "mesh")
+                  "item_bias", "batch_size", "lr", "weight_decay", "pos_weight", "mesh", "negatives",
+                  "normalization", "optimizer", "adam_eps")
 
 
 class ResumeError(ValueError):
@@ -62,11 +65,19 @@ class ResumeError(ValueError):
 # ----------------------------------------------------------------------------- batches and loss
 
 
-def make_batch(rows: np.ndarray, cfg: TrainConfig, model, step: int) -> dict[str, torch.Tensor]:
+def make_batch(rows: np.ndarray, cfg: TrainConfig, model, step: int, users: np.ndarray | None = None,
+               sampler: data.NegativeSampler | None = None) -> dict[str, torch.Tensor]:
     """Training rows `[B, T + k]` (see data.train_windows) -> inputs, targets `[B, T, k]`, weight `[B, T]`.
 
     The batch is padded to batch_size with empty rows (weight 0) so every step has one shape.
+    With --loss sampled, also negatives `[B, T, K]` (catalog ids) for the rows' `users`, drawn
+    from `sampler` with a generator seeded by (seed, step), so a resumed run draws the same ones.
     """
+    if cfg.loss == "sampled":
+        users = np.concatenate([users, np.full(cfg.batch_size - len(users), -1)])  # -1: a padding row
+        generator = np.random.default_rng([cfg.seed, step, NEGATIVES_STREAM])
+        negatives = data.to_catalog_ids(torch.from_numpy(sampler.sample(users, (cfg.max_len, cfg.negatives),
+                                                                        generator)))
     rows = torch.from_numpy(rows).long()
     if rows.shape[0] < cfg.batch_size:
         rows = torch.cat([rows, rows.new_zeros(cfg.batch_size - rows.shape[0], rows.shape[1])])
@@ -82,34 +93,20 @@ def make_batch(rows: np.ndarray, cfg: TrainConfig, model, step: int) -> dict[str
         weight = model.mask_items(inputs, cfg.mask_prob, generator)
         inputs = torch.where(weight, model.mask_id, inputs)
         future = windows[:, :T]  # the hidden item itself, then the bert_labels - 1 after it
-    return dict(inputs=inputs, targets=data.to_catalog_ids(future), weight=weight.float())
+    batch = dict(inputs=inputs, targets=data.to_catalog_ids(future), weight=weight.float())
+    if cfg.loss == "sampled":
+        batch["negatives"] = negatives
+    return batch
 
 
-def multi_hot(targets: torch.Tensor, num_items: int) -> torch.Tensor:
-    """`[*S, k]` catalog ids (-1 = padding) -> `[*S, V]` 0/1 labels, the dense target BCE needs."""
-    labels = torch.zeros(*targets.shape[:-1], num_items + 1, device=targets.device)
-    labels.scatter_(-1, torch.where(targets < 0, num_items, targets), 1.0)
-    return labels[..., :num_items]
-
-
-def bce_loss(hidden, item_weight, bias, targets, weight, pos_weight, cfg: TrainConfig, mesh=None) -> torch.Tensor:
-    """Mean BCE over real positions and all V items: sum_n weight[n] sum_v l[n, v] / (sum_n weight[n] V).
-
-    'cutbce' never builds the `[B, T, V]` logits; 'dense' is the code it replaces.
-    """
-    num_items = item_weight.shape[0]
-    denominator = weight.sum().clamp(min=1) * num_items
-    if cfg.loss in ("cutbce", "focal"):
-        focal = Focal(cfg.focal_gamma, cfg.focal_alpha, cfg.focal_balancing) if cfg.loss == "focal" else None
-        total = cut_bce_with_logits(hidden, item_weight, targets, bias, weight=weight, pos_weight=pos_weight,
-                                    reduction="sum", block_v=cfg.block_v or None, mesh=mesh, focal=focal)
-        return total / denominator
-    logits = hidden @ item_weight.T  # [B, T, V]
-    if bias is not None:
-        logits = logits + bias
-    per_item = F.binary_cross_entropy_with_logits(logits, multi_hot(targets, num_items),
-                                                  pos_weight=pos_weight, reduction="none")
-    return (per_item.sum(-1) * weight).sum() / denominator
+def loss_of_batch(model, batch: dict[str, torch.Tensor], cfg: TrainConfig, pos_weight=None, mesh=None):
+    """The training loss of one batch (see examples/losses.py)."""
+    hidden = model(batch["inputs"])
+    if cfg.loss == "sampled":
+        return sampled_bce_loss(hidden, model.item_weight, model.item_bias, batch["targets"][..., 0],
+                                batch["negatives"], batch["weight"], cfg.pos_weight)
+    return bce_loss(hidden, model.item_weight, model.item_bias, batch["targets"], batch["weight"], pos_weight,
+                    cfg, mesh)
 
 
 # ----------------------------------------------------------------------------- the pieces of a run
@@ -149,6 +146,8 @@ class Run:
     optimizer: torch.optim.Optimizer
     pos_weight: torch.Tensor | None
     out_dir: Path
+    users: np.ndarray | None = None  # [W] the user of each window (--loss sampled)
+    sampler: data.NegativeSampler | None = None  # --loss sampled
 
     @property
     def steps_per_epoch(self) -> int:
@@ -180,7 +179,7 @@ def load_data(cfg: TrainConfig) -> tuple[data.SeqDataset, np.ndarray, bool]:
 
 
 def build_model(cfg: TrainConfig, num_items: int, device: torch.device, mesh):
-    """The model, its Adam optimizer and the loss's pos_weight (None when 1).
+    """The model, its optimizer (Adam or AdamW) and the loss's pos_weight (None when 1).
 
     The seed fixes the initialization, made on the CPU so that it is the same on every device.
     """
@@ -188,15 +187,18 @@ def build_model(cfg: TrainConfig, num_items: int, device: torch.device, mesh):
     model = MODELS[cfg.model](RecConfig(num_items, cfg.max_len, cfg.dim, cfg.num_layers, cfg.num_heads,
                                         dropout=cfg.dropout, item_bias=cfg.item_bias))
     if model.item_bias is not None:
-        # Start at the base rate of a positive, log(k / V): otherwise the first steps spend
-        # themselves pushing every score down, through the item vectors too.
-        torch.nn.init.constant_(model.item_bias, math.log(cfg.labels / num_items))
+        # Start at the log-odds of a positive, about log(k / V) over the full catalog: otherwise
+        # the first steps spend themselves pushing every score down, through the item vectors
+        # too. Sampled BCE sees 1 positive per K negatives: log(1 / K), 0 (no bias) for K = 1.
+        base_odds = 1 / cfg.negatives if cfg.loss == "sampled" else cfg.labels / num_items
+        torch.nn.init.constant_(model.item_bias, math.log(base_odds))
     model = model.to(device)
     if mesh is not None:
         shard(model.item_emb.weight, mesh, ("model", None))  # each device holds a slice of the catalog
         if model.item_bias is not None:
             shard(model.item_bias, mesh, ("model",))
-    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer_class = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[cfg.optimizer]
+    optimizer = optimizer_class(model.parameters(), lr=cfg.lr, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
     pos_weight = None if cfg.pos_weight == 1.0 else torch.full((num_items,), cfg.pos_weight, device=device)
     if device.type == "xla":
         import torch_xla.core.xla_model as xm
@@ -225,7 +227,7 @@ def start_or_resume(run: Run) -> TrainState:
         print(f"--resume: no checkpoint in {run.out_dir}, starting fresh")
         return TrainState()
     ckpt = torch.load(ckpt_path, weights_only=False)
-    changed = [n for n in SAME_ON_RESUME if ckpt["config"][n] != getattr(cfg, n)]
+    changed = [n for n in SAME_ON_RESUME if ckpt["config"].get(n) != getattr(cfg, n)]  # absent: an older run
     if changed:
         raise ResumeError(f"--resume: {changed} differ from the checkpoint in {ckpt_path}; use another --out-dir")
     state = TrainState(**ckpt["state"])
@@ -243,10 +245,7 @@ def train_step(run: Run, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """One optimizer step on one batch; returns the loss."""
     if run.mesh is not None:
         shard(batch["inputs"], run.mesh, ("data", None))  # positions split over the data axis
-    model = run.model
-    hidden = model(batch["inputs"])
-    loss = bce_loss(hidden, model.item_weight, model.item_bias, batch["targets"], batch["weight"], run.pos_weight,
-                    run.cfg, run.mesh)
+    loss = loss_of_batch(run.model, batch, run.cfg, run.pos_weight, run.mesh)
     run.optimizer.zero_grad(set_to_none=True)
     loss.backward()
     run.optimizer.step()
@@ -264,8 +263,9 @@ def train_one_epoch(run: Run, state: TrainState, after_step: Callable[[int], Non
     while state.step_in_epoch < run.steps_per_epoch:
         t0 = time.time()
         i = state.step_in_epoch
-        batch = make_batch(run.windows[order[i * cfg.batch_size:(i + 1) * cfg.batch_size]], cfg, run.model,
-                           state.step)
+        rows = order[i * cfg.batch_size:(i + 1) * cfg.batch_size]
+        users = None if run.users is None else run.users[rows]
+        batch = make_batch(run.windows[rows], cfg, run.model, state.step, users, run.sampler)
         loss = train_step(run, {name: t.to(run.device) for name, t in batch.items()})
         state.losses.append(loss.item())
         state.step_in_epoch += 1
@@ -306,6 +306,7 @@ def validate(run: Run, state: TrainState) -> dict[str, float]:
 def test_and_report(run: Run, state: TrainState, t_start: float) -> dict:
     """Tests the model validation picked, once, next to popularity; writes metrics.json and curves.png."""
     cfg, ds = run.cfg, run.ds
+    final = dict(parameter_stats(run.model), adam=adam_scale(run.model, run.optimizer, cfg.adam_eps))
     best_path = run.out_dir / "best.pt"
     if best_path.exists():
         run.model.load_state_dict(torch.load(best_path, weights_only=False)["model"])
@@ -318,7 +319,11 @@ def test_and_report(run: Run, state: TrainState, t_start: float) -> dict:
         config=dataclasses.asdict(cfg),
         data=dict(name=ds.name, users=ds.num_users, items=ds.num_items, events=len(ds.items),
                   train_windows=len(run.windows), exclude_seen=run.exclude_seen),
+        setup=dict(loss=cfg.loss, negatives=cfg.negatives if cfg.loss == "sampled" else None,
+                   normalization=None if cfg.loss == "sampled" else cfg.normalization, optimizer=cfg.optimizer,
+                   adam_eps=cfg.adam_eps, weight_decay=cfg.weight_decay),
         best_epoch=state.best_epoch, test=test, popularity=popularity, history=state.val,
+        parameters=dict(final=final, tested=parameter_stats(run.model)),
         steps=state.step, train_time_s=state.train_time_s, positions_per_s=state.positions_per_s(),
         peak_rss_mib=usage.ru_maxrss / 1024,  # Linux reports KiB
         cpu_s=usage.ru_utime + usage.ru_stime,  # all threads; less sensitive than wall_s to other load
@@ -328,10 +333,54 @@ def test_and_report(run: Run, state: TrainState, t_start: float) -> dict:
     plot_curves(state, popularity["val"], run.out_dir / "curves.png")
     print(f"test  ({cfg.model}, {cfg.loss}, best epoch {state.best_epoch}): {format_metrics(test)}")
     print(f"test  (popularity): {format_metrics(popularity['test'])}")
+    tested = result["parameters"]["tested"]
+    if "item_bias" in tested:
+        print("item bias (tested model): mean {mean:.3f} std {std:.3f} min {min:.3f} max {max:.3f}; "
+              .format(**tested["item_bias"]) + "item row norm mean {mean:.3f} std {std:.3f}".format(
+                  **tested["item_row_norm"]))
     print(f"peak RSS {result['peak_rss_mib']:.0f} MiB, {result['positions_per_s']:.0f} positions/s, "
           f"wall {result['wall_s']:.0f}s, CPU {result['cpu_s']:.0f}s; "
           f"wrote {run.out_dir / 'metrics.json'} and {run.out_dir / 'curves.png'}")
     return result
+
+
+def summary(values: torch.Tensor) -> dict[str, float]:
+    values = values.detach().cpu().double().flatten()
+    return dict(mean=float(values.mean()), std=float(values.std()), min=float(values.min()),
+                max=float(values.max()))
+
+
+def parameter_stats(model) -> dict:
+    """What the item bias and the item table learned: the bias's spread and the table's row norms."""
+    stats = dict(item_row_norm=summary(model.item_weight.norm(dim=1)))
+    if model.item_bias is not None:
+        stats["item_bias"] = summary(model.item_bias)
+    return stats
+
+
+def adam_scale(model, optimizer, eps: float) -> dict:
+    """Adam's bias-corrected sqrt(v) (the gradients' running RMS) at the end, against its eps.
+
+    Adam moves a parameter by lr * m / (sqrt(v) + eps): where sqrt(v) is far below eps, steps are
+    far below lr. This shows whether a normalisation puts the gradients there.
+
+    Returns:
+        Per group (item_bias, item_table, other): the median of sqrt(v_hat) and the fraction of
+        entries where it is below eps.
+    """
+    item_rows = slice(1, model.cfg.num_items + 1)  # the catalog rows of the tied table (no padding/[MASK])
+    groups = {"item_bias": [], "item_table": [], "other": []}
+    for name, param in model.named_parameters():
+        state = optimizer.state.get(param)
+        if not state:
+            continue
+        beta2 = optimizer.param_groups[0]["betas"][1]
+        rms = (state["exp_avg_sq"].detach().cpu().double() / (1 - beta2 ** float(state["step"]))).sqrt()
+        group = {"item_bias": "item_bias", "item_emb.weight": "item_table"}.get(name, "other")
+        groups[group].append(rms[item_rows] if group == "item_table" else rms)
+    return {group: dict(median_sqrt_v=float(torch.cat([r.flatten() for r in rms]).median()),
+                        below_eps=float(torch.cat([(r < eps).flatten() for r in rms]).double().mean()))
+            for group, rms in groups.items() if rms}
 
 
 def plot_curves(state: TrainState, popularity_val: dict, path: Path) -> None:
@@ -342,7 +391,7 @@ def plot_curves(state: TrainState, popularity_val: dict, path: Path) -> None:
 
     fig, (ax_loss, ax_val) = plt.subplots(1, 2, figsize=(11, 4))
     ax_loss.plot(state.losses, lw=0.7)
-    ax_loss.set(xlabel="step", ylabel="train loss (mean BCE per item)", yscale="log", title="training loss")
+    ax_loss.set(xlabel="step", ylabel="train loss (--loss, --normalization)", yscale="log", title="training loss")
     epochs = [v["epoch"] for v in state.val]
     for name in ("HR@10", "NDCG@10"):
         line, = ax_val.plot(epochs, [v[name] for v in state.val], marker=".", label=name)
@@ -382,6 +431,8 @@ def train(cfg: TrainConfig, *, after_step: Callable[[int], None] | None = None) 
     ds, windows, exclude_seen = load_data(cfg)
     model, optimizer, pos_weight = build_model(cfg, ds.num_items, device, mesh)
     run = Run(cfg, ds, windows, exclude_seen, device, mesh, model, optimizer, pos_weight, out_dir)
+    if cfg.loss == "sampled":
+        run.users, run.sampler = data.window_users(ds, cfg.holdout, cfg.max_len), data.NegativeSampler(ds, cfg.holdout)
     print(f"{ds.name}: {ds.num_users} users, {ds.num_items} items, {len(ds.items)} events, "
           f"{len(windows)} training windows of {cfg.max_len}, {run.steps_per_epoch} steps/epoch, "
           f"exclude_seen={exclude_seen}")

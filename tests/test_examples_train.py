@@ -1,5 +1,5 @@
-"""examples/: one training step of each model, CutBCE vs dense, resume equivalence, bad configs, the
-command line, XLA."""
+"""examples/: one training step of each model, CutBCE vs dense, the normalisations, resume
+equivalence, bad configs, the command line, XLA. The sampled-BCE baseline: test_examples_sampled.py."""
 
 import dataclasses
 import importlib.util
@@ -59,8 +59,7 @@ def one_batch(cfg, device="cpu"):
 
 def step_grads(cfg, device="cpu"):
     model, batch = one_batch(cfg, device)
-    loss = train.bce_loss(model(batch["inputs"]), model.item_weight, model.item_bias, batch["targets"],
-                          batch["weight"], None, cfg)
+    loss = train.loss_of_batch(model, batch, cfg)
     loss.backward()
     train.sync(torch.device(device))  # XLA: one graph for the step, not one per fetched tensor
     return loss.detach().cpu(), {n: p.grad.detach().cpu() for n, p in model.named_parameters()}
@@ -81,11 +80,13 @@ def test_batches_have_the_documented_targets(tmp_path, model):
         assert torch.equal(weight > 0, inputs == net.mask_id) and weight.sum() > 0
 
 
-@pytest.mark.parametrize("model", ["sasrec", "bert4rec"])
-def test_cutbce_step_matches_dense_bce(tmp_path, model):
+@pytest.mark.parametrize("model, normalization", [("sasrec", "positions"), ("bert4rec", "items"), ("sasrec", "mean")])
+def test_cutbce_step_matches_dense_bce(tmp_path, model, normalization):
     """The example's CutBCE loss and gradients equal the materialized BCEWithLogitsLoss A/B."""
-    loss_cut, grads_cut = step_grads(tiny_config(tmp_path, model=model, loss="cutbce", block_v=64))
-    loss_dense, grads_dense = step_grads(tiny_config(tmp_path, model=model, loss="dense"))
+    loss_cut, grads_cut = step_grads(tiny_config(tmp_path, model=model, loss="cutbce", block_v=64,
+                                                 normalization=normalization))
+    loss_dense, grads_dense = step_grads(tiny_config(tmp_path, model=model, loss="dense",
+                                                     normalization=normalization))
     assert torch.isfinite(loss_cut) and loss_cut > 0
     torch.testing.assert_close(loss_cut, loss_dense, rtol=1e-5, atol=1e-7)
     for name in grads_dense:
@@ -101,6 +102,32 @@ def test_focal_step_is_focal_and_gamma_zero_is_plain(tmp_path):
     zero, zero_grads = step_grads(tiny_config(tmp_path, loss="focal", focal_gamma=0.0, block_v=64))
     assert torch.equal(zero, plain)
     assert all(torch.equal(zero_grads[name], plain_grads[name]) for name in plain_grads)
+
+
+def test_normalizations_scale_the_same_step(tmp_path):
+    """positions = items x V, mean = items x (real positions) / (B T): the same sum, three divisors."""
+    _, batch = one_batch(tiny_config(tmp_path))
+    real, size = batch["weight"].sum(), batch["weight"].numel()
+    assert 0 < real < size  # the batch has padding, so 'mean' differs from 'items'
+    runs = {norm: step_grads(tiny_config(tmp_path, normalization=norm, block_v=64))
+            for norm in ("items", "positions", "mean")}
+    for norm, scale in (("positions", 300.0), ("mean", float(real) / size)):
+        loss, grads = runs[norm]
+        torch.testing.assert_close(loss, runs["items"][0] * scale, rtol=1e-5, atol=0)
+        for name, grad in grads.items():  # float32 sums in another order: an atol of the gradient's scale
+            expected = runs["items"][1][name] * scale
+            torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-5 * float(expected.abs().max()), msg=name)
+
+
+def test_optimizer_flags(tmp_path):
+    """--optimizer adamw defaults to torch's weight decay 0.01; --adam-eps reaches the optimizer."""
+    assert tiny_config(tmp_path).weight_decay == 0.0
+    assert tiny_config(tmp_path, optimizer="adamw").weight_decay == config.ADAMW_WEIGHT_DECAY == 0.01
+    cfg = tiny_config(tmp_path, optimizer="adamw", weight_decay=0.1, adam_eps=1e-12)
+    _, optimizer, _ = train.build_model(cfg, 300, torch.device("cpu"), None)
+    assert isinstance(optimizer, torch.optim.AdamW)
+    assert (optimizer.defaults["weight_decay"], optimizer.defaults["eps"]) == (0.1, 1e-12)
+    assert train.parse_args(["--optimizer", "adamw"]).weight_decay == 0.01
 
 
 def final_state(out_dir):
@@ -120,13 +147,15 @@ def kill_after(steps: int):
     return after_step
 
 
-@pytest.mark.parametrize("model, kill_after_steps", [("sasrec", 5), ("bert4rec", 8)])
-def test_resume_after_kill_equals_uninterrupted_run(tmp_path, model, kill_after_steps):
+@pytest.mark.parametrize("model, loss, kill_after_steps", [("sasrec", "cutbce", 5), ("bert4rec", "cutbce", 8),
+                                                          ("sasrec", "sampled", 5)])
+def test_resume_after_kill_equals_uninterrupted_run(tmp_path, model, loss, kill_after_steps):
     """Kill mid-epoch (work since the last checkpoint is lost), resume: bitwise the same run."""
-    straight = train.train(tiny_config(tmp_path / "a", model=model, ckpt_every=3))
+    settings = dict(model=model, loss=loss, negatives=3, ckpt_every=3)
+    straight = train.train(tiny_config(tmp_path / "a", **settings))
     with pytest.raises(SimulatedKill):
-        train.train(tiny_config(tmp_path / "b", model=model, ckpt_every=3), after_step=kill_after(kill_after_steps))
-    resumed = train.train(tiny_config(tmp_path / "b", model=model, ckpt_every=3, resume=True))
+        train.train(tiny_config(tmp_path / "b", **settings), after_step=kill_after(kill_after_steps))
+    resumed = train.train(tiny_config(tmp_path / "b", resume=True, **settings))
     params_a, state_a = final_state(tmp_path / "a" / "run")
     params_b, state_b = final_state(tmp_path / "b" / "run")
     assert state_a["step"] == state_b["step"] > kill_after_steps
@@ -144,6 +173,13 @@ def test_run_writes_metrics_and_curves(tmp_path):
     assert {"HR@10", "NDCG@10", "Hit@3(next1)"} <= set(saved["test"]) and saved["peak_rss_mib"] > 0
     assert saved["best_epoch"] == int(np.argmax([h["NDCG@10"] for h in saved["history"]]))
     assert (out / "curves.png").stat().st_size > 0 and not list(out.glob("*.tmp"))
+    assert saved["setup"] == dict(loss="cutbce", negatives=None, normalization="positions", optimizer="adam",
+                                  adam_eps=1e-8, weight_decay=0.0)
+    tested, final = saved["parameters"]["tested"], saved["parameters"]["final"]
+    assert tested["item_bias"]["min"] <= tested["item_bias"]["mean"] <= tested["item_bias"]["max"]
+    assert tested["item_bias"]["std"] > 0 and tested["item_row_norm"]["mean"] > 0
+    assert {"item_bias", "item_table", "other"} == set(final["adam"])
+    assert all(0 <= group["below_eps"] <= 1 and group["median_sqrt_v"] > 0 for group in final["adam"].values())
     with pytest.raises(ValueError, match="differ from the checkpoint"):
         train.train(tiny_config(tmp_path, epochs=2, dim=8, resume=True))
 
@@ -154,6 +190,13 @@ def test_run_writes_metrics_and_curves(tmp_path):
         (dict(dataset="movielens"), "unknown --dataset 'movielens'"),
         (dict(model="gru4rec"), "unknown --model"),
         (dict(loss="softmax"), "unknown --loss"),
+        (dict(loss="sampled", model="bert4rec"), "--loss sampled trains SASRec only"),
+        (dict(loss="sampled", negatives=0), "--negatives must be >= 1, got 0"),
+        (dict(loss="sampled", device="xla", mesh="2x2"), "--loss sampled runs on one device"),
+        (dict(normalization="batch"), "unknown --normalization 'batch'"),
+        (dict(optimizer="sgd"), "unknown --optimizer 'sgd'"),
+        (dict(adam_eps=0.0), "--adam-eps must be > 0"),
+        (dict(optimizer="adamw", weight_decay=-0.1), "--weight-decay must be >= 0"),
         (dict(device="tpu"), "unknown --device"),
         (dict(k=0), "--k must be >= 1"),
         (dict(bert_labels=0), "--bert-labels must be >= 1"),
@@ -186,9 +229,10 @@ def test_every_flag_has_help_and_its_default():
     text = " ".join(parser.format_help().split())  # undo the line wrapping
     for action in flags:
         assert action.help, action.dest
-        if action.default != "":  # an empty default is explained in the help instead
+        if action.default not in ("", None):  # an empty default is explained in the help instead
             assert f"(default: {action.default})" in text, action.dest
-    for closed in ("--model {sasrec,bert4rec}", "--loss {cutbce,focal,dense}", "--device {cpu,xla}",
+    for closed in ("--model {sasrec,bert4rec}", "--loss {cutbce,focal,dense,sampled}", "--device {cpu,xla}",
+                   "--normalization {items,positions,mean}", "--optimizer {adam,adamw}",
                    "--dataset {ml-100k,yambda,synthetic}", "--exclude-seen {auto,yes,no}"):
         assert closed in text
     assert "--kill" not in text  # test hooks are not user options
@@ -203,6 +247,8 @@ def test_every_flag_has_help_and_its_default():
         (["--dim", "many"], "argument --dim: invalid int value: 'many'"),
         (["--mask-prob", "1.5"], r"--mask-prob must be in \(0, 1\], got 1.5"),
         (["--mesh", "2x2"], "--mesh takes DATAxMODEL device counts"),
+        (["--loss", "sampled", "--model", "bert4rec"], "--loss sampled trains SASRec only"),
+        (["--normalization", "all"], "argument --normalization: invalid choice: 'all'"),
     ],
 )
 def test_bad_flags_exit_with_a_usage_error(capsys, argv, message):

@@ -1,0 +1,184 @@
+"""The conversion guide (docs/converting.md) applied to the example's own sampled SASRec.
+
+The guide's code blocks are executed here, not paraphrased: `guide_steps()` reads the fenced Python
+of each numbered step, and the tests run them on the example's SASRec (`examples/sasrec.py`) seen
+through the layout the guide is written for (`ClientSASRec`: a `log2feats` method, numpy batches,
+item ids with 0 for padding). The sampled loss the example trains with (`examples/losses.py`,
+`--loss sampled`) is the "before"; the guide's steps must turn it into a full-catalog loss whose
+value and every parameter's gradient are as exact as the dense `BCEWithLogitsLoss` on the
+materialised logits in float32, measured against the same dense loss in float64.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch_cutbce
+from examples import data
+from examples.losses import sampled_bce_loss
+from examples.sasrec import RecConfig, SASRec
+from parity import TOLERANCES
+
+pytestmark = pytest.mark.rung4
+
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "converting.md"
+V, T, D, B = 97, 12, 16, 9
+
+
+def guide_steps() -> dict[int, list[str]]:
+    """{step number: [its fenced Python blocks]} of docs/converting.md ('## 3. ...' -> 3)."""
+    steps, number = {}, None
+    for part in re.split(r"^(## \d+\..*)$", GUIDE.read_text(), flags=re.M):
+        heading = re.match(r"## (\d+)\.", part)
+        if heading:
+            number = int(heading.group(1))
+        elif number is not None:
+            steps[number] = [textwrap.dedent(b) for b in re.findall(r"```python\n(.*?)```", part, flags=re.S)]
+    return steps
+
+
+class ClientSASRec(SASRec):
+    """The example's SASRec in the layout of common PyTorch SASRec code: `log2feats` on numpy ids."""
+
+    def log2feats(self, log_seqs):
+        return self(torch.as_tensor(log_seqs, device=self.item_emb.weight.device))
+
+
+def client_model(dtype=torch.float32) -> ClientSASRec:
+    torch.manual_seed(0)
+    model = ClientSASRec(RecConfig(V, T, D, num_layers=1, num_heads=2, dropout=0.0, item_bias=True))
+    with torch.no_grad():  # step 4's initialisation, then a spread, as after some training
+        model.item_bias.copy_(math.log(1 / V) + torch.randn(V))
+        model.item_emb.weight[1:].mul_(40)  # logits of several units, some large
+    return model.to(dtype)
+
+
+def client_batch(seed=0):
+    """Numpy ids as a sampler yields them: left-padded sequences, next items (0 at padding), negatives."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, T + 2, size=B)
+    rows = np.zeros((B, T + 1), dtype=np.int64)
+    for b, n in enumerate(lengths):
+        rows[b, T + 1 - n:] = rng.integers(1, V + 1, size=n)
+    rows[0, -4:] = rows[0, -5]  # repeated items: duplicates in a sequence
+    seq, pos = rows[:, :-1], rows[:, 1:] * (rows[:, :-1] != 0)
+    neg = rng.integers(1, V + 1, size=(B, T))
+    return seq, pos, neg
+
+
+def run_steps(model, numbers, **names) -> dict:
+    """Executes the guide's blocks of steps `numbers` in one namespace; returns the namespace."""
+    steps = guide_steps()
+    space = dict(model=model, torch=torch, torch_cutbce=torch_cutbce, F=F, np=np, math=math, **names)
+    for number in numbers:
+        for block in steps[number]:
+            exec(compile(block, f"{GUIDE.name} step {number}", "exec"), space)
+    return space
+
+
+def step_5_divisor() -> str:
+    """The expression step 5 divides the 'sum' by (its recommended normalisation), e.g. `real.sum()`."""
+    (block,) = guide_steps()[5]
+    match = re.search(r'reduction="sum"\)\s*/\s*(.+?)\s*$', block)
+    assert match, f"step 5 no longer divides a 'sum' by something:\n{block}"
+    return match.group(1)
+
+
+def dense_loss(model, seq, pos) -> torch.Tensor:
+    """What the guide's steps replace, built from the example's own definitions (not the guide's):
+    BCE on the materialised `[B, T, V]` logits of the example's item table and bias, labels at the
+    example's catalog ids, padded positions masked, divided as step 5 divides."""
+    hidden = model(torch.as_tensor(seq))
+    pos = torch.as_tensor(pos)
+    real = (pos != 0).to(hidden.dtype)
+    logits = hidden @ model.item_weight.T + model.item_bias
+    labels = F.one_hot(data.to_catalog_ids(pos).clamp(min=0), V).to(hidden.dtype)  # padded rows: weight 0
+    total = (F.binary_cross_entropy_with_logits(logits, labels, reduction="none").sum(-1) * real).sum()
+    return total / eval(step_5_divisor(), dict(real=real, items=model.item_weight, hidden=hidden))
+
+
+def loss_and_grads(model, loss):
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return loss.detach().double(), {n: p.grad.detach().double() for n, p in model.named_parameters()}
+
+
+def test_the_guide_has_the_steps_it_promises():
+    steps = guide_steps()
+    assert sorted(steps) == list(range(1, 10)), sorted(steps)
+    assert "log2feats" in steps[1][0] and "weight[1:]" in steps[2][0] and "cut_bce_with_logits" in steps[5][0]
+
+
+def test_before_is_the_examples_sampled_loss():
+    """The starting point runs: the example's sampled BCE on the same model and batch."""
+    model, (seq, pos, neg) = client_model(), client_batch()
+    hidden = model.log2feats(seq)
+    pos_t, neg_t = torch.as_tensor(pos), torch.as_tensor(neg)
+    loss = sampled_bce_loss(hidden, model.item_weight, model.item_bias, data.to_catalog_ids(pos_t),
+                            data.to_catalog_ids(neg_t)[..., None], (pos_t != 0).float())
+    assert torch.isfinite(loss) and loss > 0
+
+
+def test_converted_loss_and_gradients_as_exact_as_dense_bce():
+    """Steps 1-5 give the dense BCE's value and gradients for every parameter: in float32 no
+    further from the float64 dense result than float32 dense BCE is, plus the float32 tolerance."""
+    seq, pos, _ = client_batch()
+    model32 = client_model()
+    model64 = copy.deepcopy(model32).double()
+    dense_model32, dense_model64 = copy.deepcopy(model32), copy.deepcopy(model64)
+    fast = loss_and_grads(model32, run_steps(model32, [1, 2, 3, 5], seq=seq, pos=pos)["loss"])
+    dense32 = loss_and_grads(dense_model32, dense_loss(dense_model32, seq, pos))
+    truth = loss_and_grads(model64, run_steps(model64, [1, 2, 3, 5], seq=seq, pos=pos)["loss"])
+    truth_dense = loss_and_grads(dense_model64, dense_loss(dense_model64, seq, pos))
+    torch.testing.assert_close(truth[0], truth_dense[0], rtol=1e-12, atol=0)  # float64: the same loss
+    tol = TOLERANCES["float32"]
+    for name in ["loss", *truth[1]]:
+        got, ref, true = (r[0] if name == "loss" else r[1][name] for r in (fast, dense32, truth_dense))
+        scale = true.abs().max().clamp(min=1e-30)
+        err, ref_err = (got - true).abs().max() / scale, (ref - true).abs().max() / scale
+        assert err <= ref_err + tol, f"{name}: error {err:.3e} > dense float32's {ref_err:.3e} + {tol}"
+    assert fast[1]["item_emb.weight"][0].abs().max() == 0  # the padding row never learns
+    assert truth[1]["item_bias"].abs().max() > 0
+
+
+def test_step_9_check_passes_on_the_converted_model():
+    seq, pos, _ = client_batch(seed=1)
+    run_steps(client_model(), [1, 2, 3, 5, 9], seq=seq, pos=pos)  # the guide's own assert_close
+
+
+def test_step_4_bias_initialised_and_added_at_inference():
+    """Step 4's bias starts at log(1 / V), and its `predict` equals the dense scores of the given
+    items with the bias of the right (shifted) ids."""
+    model, (seq, _, _) = client_model(), client_batch()
+    space = run_steps(model, [4], self=model, nn=torch.nn, item_num=V)
+    assert model.item_bias.shape == (V,) and torch.equal(model.item_bias, torch.full((V,), math.log(1 / V)))
+    with torch.no_grad():
+        model.item_bias.add_(torch.randn(V))  # a learned spread: a wrong id shift must show
+        item_indices = np.random.default_rng(2).integers(1, V + 1, size=(B, 5))
+        got = space["predict"](model, None, seq, item_indices)
+        scores = model.log2feats(seq)[:, -1] @ model.item_weight.T + model.item_bias  # [B, V], catalog ids
+        want = scores.gather(1, torch.as_tensor(item_indices) - 1)
+    torch.testing.assert_close(got, want)
+
+
+def test_full_catalog_evaluation_of_step_7():
+    """Step 7's top 10 equal the dense ranking of every item with the seen ones left out, in item ids."""
+    model, (seq, _, _) = client_model(), client_batch()
+    history = seq  # what each user has seen: the sequence, 0 = padding
+    with torch.no_grad():
+        space = run_steps(model, [1, 2, 7], seq=seq, pos=np.zeros_like(seq), history=history)
+        final = model.log2feats(seq)[:, -1]
+        scores = final @ model.item_weight.T + model.item_bias
+    seen = torch.zeros(B, V + 1, dtype=torch.bool).scatter_(1, torch.as_tensor(history), True)[:, 1:]
+    scores = scores.masked_fill(seen, -math.inf)
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :10] + 1
+    assert torch.equal(space["top_item_ids"], order)
