@@ -64,47 +64,19 @@ if [ "$#" -gt 0 ]; then
   exec "${pytest[@]}" "$@"
 fi
 
-# Compile-only: the worker of tests/test_jax_pallas_tpu_compile.py in this environment, every kernel
-# variant for v5e, v6e and tpu7x (worker.NEWEST_CHIPS; .venv compiles v4, v5e and v5p). It runs
-# beside pytest (each mostly keeps one core busy) and reports after it; any failed compile fails.
-compile_only() {
-  .venv-jax/bin/python - <<'EOF'
-import json, subprocess, sys, tempfile, time
-from pathlib import Path
-
-sys.path.insert(0, "tests")
+# Compile-only: tests/test_jax_pallas_tpu_compile.py in this environment, in a pytest process beside
+# the selection below (each mostly keeps one core busy), reported after it. Here its worker compiles
+# every kernel variant for v5e, v6e and tpu7x (`_tpu_compile_worker.chips_here()`: NEWEST_CHIPS where
+# the overlay's libtpu knows tpu7x; .venv compiles v4, v5e and v5p) and the test fails on any failed
+# or missing compile. First: the overlay must know tpu7x, or the file would quietly take the old chips.
+.venv-jax/bin/python -c '
+import sys; sys.path.insert(0, "tests")
 import _tpu_compile_worker as worker
 from benchmarks import tpu_compile
-
-assert tpu_compile.overlay_ready(), f"{tpu_compile.OVERLAY} is missing"
-chips, libtpu = worker.NEWEST_CHIPS, ".".join(map(str, tpu_compile.libtpu_version()))
-unknown = [chip for chip in chips if not tpu_compile.libtpu_knows(chip)]
-assert not unknown, f"libtpu {libtpu} in {tpu_compile.OVERLAY} does not know {unknown}"
-out = Path(tempfile.mkdtemp()) / "records.json"
-start = time.perf_counter()
-proc = subprocess.run([sys.executable, "tests/_tpu_compile_worker.py", str(out), *chips],
-                      env=tpu_compile.child_env(Path("tests").resolve()), capture_output=True, text=True,
-                      timeout=1800)
-seconds = time.perf_counter() - start
-if proc.returncode != 0:
-    sys.exit(f"[jax-newest] compile-only worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-records = json.loads(out.read_text())
-failed = [(r["chip"], r["what"], r["dtype"], r.get("options"), r["error"][:400]) for r in records if r["error"]]
-# Every case and focal case, four programs each, on every chip (the temp cases come on top).
-per_chip = {chip: sum(r["chip"] == chip and "temp_bound" not in r["what"] for r in records) for chip in chips}
-expected = 4 * (len(worker.cases(("v5e",))) + len(worker.FOCAL_CASES))
-missing = {chip: n for chip, n in per_chip.items() if n != expected}
-print(f"[jax-newest] compile-only for {', '.join(chips)} with libtpu {libtpu}: {len(records)} programs, "
-      f"{len(failed)} failed, {seconds:.0f} s")
-for f in failed:
-    print("  ", f)
-if missing:
-    print(f"[jax-newest] expected {expected} programs per chip, got {missing}")
-sys.exit(1 if failed or missing else 0)
-EOF
-}
+assert worker.chips_here() == worker.NEWEST_CHIPS, f"libtpu {tpu_compile.libtpu_version()} in {tpu_compile.OVERLAY} does not know tpu7x"
+'
 compile_log=$(mktemp)
-compile_only > "$compile_log" 2>&1 &
+"${pytest[@]}" tests/test_jax_pallas_tpu_compile.py > "$compile_log" 2>&1 &
 compile_pid=$!
 
 # pytest's -k takes one line: the selection above, joined with 'or'.
