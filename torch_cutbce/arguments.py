@@ -63,6 +63,14 @@ def check_parallel_options(backend: str, mesh, vocab_parallel, vocab_axis: AxisN
         check_mesh_axes(mesh.axis_names, vocab_axis, data_axis)
 
 
+def check_no_parallel_options(mesh, vocab_parallel) -> None:
+    """DTensor arguments carry their own layout: `mesh=` and `vocab_parallel=` would be a second one."""
+    for name, value in (("mesh", mesh), ("vocab_parallel", vocab_parallel)):
+        if value is not None:
+            raise ValueError(f"{name}= is for plain tensors; with DTensor arguments the placements say how the "
+                             f"table and the positions are split (torch_cutbce.distributed): drop {name}=")
+
+
 def mesh_layout(mesh, vocab_axis: AxisName, data_axis: AxisName) -> dict:
     """A torch_xla SPMD mesh as `CutBCEOptions` fields (`mesh_shape`, `mesh_axes`, `vocab_axis`,
     `data_axis`); no fields for None. Its device ids must be 0..n-1 in order: the JAX side lowers

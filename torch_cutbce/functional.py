@@ -8,7 +8,7 @@ import torch
 from jax_kernels.neutral.focal import Focal, check_focal
 from jax_kernels.neutral.options import CutBCEOptions
 from jax_kernels.neutral.shapes import reduction_divisor
-from torch_cutbce import arguments, engines
+from torch_cutbce import arguments, distributed, engines
 from torch_cutbce.arguments import BACKENDS  # noqa: F401  (re-exported by torch_cutbce)
 from torch_cutbce.metrics import CutBCEMetrics
 from torch_cutbce.reduction import reduce_rows
@@ -99,8 +99,15 @@ def cut_bce_with_logits(
       `(loss, CutBCEMetrics)`. Gradients come back in each input's dtype. The native backend's
       gradients are not differentiable again (double backward raises a RuntimeError).
     """
+    # DTensors describe their global shapes: the rules hold for the whole call, then each rank
+    # computes with its local part (`torch_cutbce.distributed`).
     size = arguments.check(hidden, item_weight, targets, bias, weight, class_weight, pos_weight,
                            reduction=reduction, block_v=block_v)
+    layout = distributed.layout_of(hidden, item_weight, targets, bias, weight, class_weight, pos_weight)
+    if layout is not None:
+        arguments.check_no_parallel_options(mesh, vocab_parallel)
+        hidden, item_weight, targets, bias, weight, class_weight, pos_weight = distributed.localize(
+            layout, hidden, item_weight, targets, bias, weight, class_weight, pos_weight)
     backend = arguments.resolve_backend(backend, hidden)
     focal = check_focal(focal)
     arguments.check_parallel_options(backend, mesh, vocab_parallel, vocab_axis, data_axis)  # on the resolved backend
@@ -113,12 +120,13 @@ def cut_bce_with_logits(
     arguments.check_constant("class_weight", class_weight)
     arguments.check_constant("pos_weight", pos_weight)
     hidden, item_weight, bias = arguments.matmul_dtype_inputs(hidden, item_weight, bias)
-    n = size.num_positions
+    lead_shape = hidden.shape[:-1]  # this rank's positions under a layout
+    n = lead_shape.numel()
     num_items = size.num_items if vocab_parallel is None else vocab_parallel.num_items  # the global V
-    hidden, targets = hidden.reshape(n, size.hidden_size), targets.reshape(n, size.num_slots)
+    hidden, targets = hidden.reshape(n, size.hidden_size), targets.reshape(n, targets.shape[-1])
     w = None if weight is None else weight.reshape(n)
     kept = None
-    if engine.drops_padded_positions:
+    if engine.drops_padded_positions and layout is None:
         kept = _padded_positions_dropped(hidden, targets, w, size.num_items)
     if kept is not None:
         hidden, targets, w = (x.index_select(0, kept) for x in (hidden, targets, w))
@@ -133,6 +141,9 @@ def cut_bce_with_logits(
         **({} if vocab_parallel is None else dict(offset=vocab_parallel.start, id_limit=vocab_parallel.num_items)),
     )
     flat = (hidden, item_weight, bias, class_weight, pos_weight, targets)
+    if layout is not None:  # each rank its positions' rows over the whole catalog, reduced here
+        rows, counts = distributed.layout_rows(layout, engine, flat, options)
+        return reduce_rows(rows, counts, weight, reduction, lead_shape, num_items, return_metrics)
     if reduction != "none" and n > 0:  # one pass: the gradients computed in the forward
         divisor = reduction_divisor(reduction, n, num_items)
         loss, counts = engine.weighted_sum(flat, w, divisor, options, vocab_parallel)
@@ -143,4 +154,4 @@ def cut_bce_with_logits(
     if kept is not None:  # dropped positions: rows and counts 0
         rows = rows.new_zeros(n).index_copy(0, kept, rows)
         counts = counts.new_zeros((counts.shape[0], n)).index_copy(1, kept, counts)
-    return reduce_rows(rows, counts, weight, reduction, size.lead_shape, num_items, return_metrics)
+    return reduce_rows(rows, counts, weight, reduction, lead_shape, num_items, return_metrics)

@@ -1,0 +1,100 @@
+"""What each rank runs for tests/test_torch_dtensor.py (through tests/distributed_harness.py).
+
+Every rank has its own positions (uneven counts and target widths, padded positions, duplicates,
+large logits: `parity.make_inputs`) and the one table, laid out as the case says. A case returns
+the rank's loss, metrics and gradients of `sum(loss * upstream)`, with a non-uniform upstream of
+the rank's own; the test compares them with a float64 oracle of one process.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import torch_cutbce as tc
+from parity import make_inputs, select, torch_dtype
+
+V, D = 301, 12
+FOCAL = tc.Focal(gamma=1.5, alpha=0.25, apply_class_balancing=True)
+TABLE_NAMES = ("item_weight", "bias", "class_weight", "pos_weight")
+
+
+def positions_count(rank: int) -> int:
+    return 5 + 3 * rank  # uneven over the ranks
+
+
+def table(dtype: str) -> dict:
+    inputs = select(make_inputs((8,), V, D, 3, seed=0), dtype=dtype)
+    return {k: inputs[k] for k in TABLE_NAMES}
+
+
+def positions(rank: int, dtype: str) -> dict:
+    inputs = select(make_inputs((positions_count(rank),), V, D, 3 + rank % 2, seed=10 + rank), dtype=dtype)
+    return {k: inputs[k] for k in ("hidden", "targets", "weight")}
+
+
+def upstream(rank: int, reduction: str) -> torch.Tensor:
+    shape = (positions_count(rank),) if reduction == "none" else ()
+    return torch.rand(shape, generator=torch.Generator().manual_seed(100 + rank), dtype=torch.float64) + 0.5
+
+
+CASES = {  # name: (table layout, positions layout, reduction, dtype, focal)
+    **{f"sharded-{r}": ("shard", "plain", r, "float32", None) for r in ("none", "sum", "mean")},
+    "sharded-focal-mean": ("shard", "plain", "mean", "float32", FOCAL),
+    "sharded-focal-none": ("shard", "plain", "none", "float32", FOCAL),
+    "sharded-bfloat16-mean": ("shard", "plain", "mean", "bfloat16", None),
+    "replicated-mean": ("replicate", "plain", "mean", "float32", None),
+    "hidden-shard-sum": ("shard", "shard", "sum", "float32", None),
+    "hidden-replicate-none": ("shard", "replicate", "none", "float32", None),
+}
+
+
+def _mesh(world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world,))
+
+
+def run_case(rank: int, world: int, name: str, mesh) -> dict:
+    """One case on this rank: inputs laid out, the loss, its metrics and gradients."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    table_layout, position_layout, reduction, dtype, focal = CASES[name]
+    tdt = torch_dtype(dtype)
+    tab = {k: torch.as_tensor(v).to(tdt if k in ("item_weight", "bias") else torch.float32)
+           for k, v in table(dtype).items()}
+    placement = [Shard(0)] if table_layout == "shard" else [Replicate()]
+    tab = {k: distribute_tensor(v, mesh, placement) for k, v in tab.items()}
+    source = 0 if position_layout == "replicate" else rank
+    pos = positions(source, dtype)
+    pos = dict(hidden=torch.as_tensor(pos["hidden"]).to(tdt), targets=torch.as_tensor(pos["targets"]),
+               weight=torch.as_tensor(pos["weight"]).float())
+    if position_layout == "shard":  # each rank's own positions, as one global batch Shard(0)
+        total = sum(positions_count(r) for r in range(world))
+        pos["targets"] = pos["targets"][:, :3].contiguous()  # one DTensor: the same width on every rank
+        pos = {k: DTensor.from_local(v, mesh, [Shard(0)], run_check=False, shape=torch.Size((total, *v.shape[1:])),
+                                     stride=torch.empty(total, *v.shape[1:]).stride())
+               for k, v in pos.items()}
+    elif position_layout == "replicate":
+        pos = {k: DTensor.from_local(v, mesh, [Replicate()], run_check=False) for k, v in pos.items()}
+    leaves = {k: tab[k].detach().requires_grad_(True) for k in ("item_weight", "bias")}
+    leaves |= {k: pos[k].detach().requires_grad_(True) for k in ("hidden", "weight")}
+    loss, metrics = tc.cut_bce_with_logits(
+        leaves["hidden"], leaves["item_weight"], pos["targets"], leaves["bias"], weight=leaves["weight"],
+        class_weight=tab["class_weight"], pos_weight=tab["pos_weight"], reduction=reduction,
+        return_metrics=True, block_v=16, focal=focal)
+    g = upstream(source, reduction).to(loss.dtype)
+    if isinstance(loss, DTensor):
+        raise AssertionError("the loss must be this rank's plain tensor")
+    (loss * g).sum().backward()
+    local = lambda x: x.to_local() if isinstance(x, DTensor) else x  # noqa: E731
+    out = {"loss": loss.detach(), **{k: local(v) for k, v in metrics._asdict().items()}}
+    out |= {f"d_{k}": local(v.grad) for k, v in leaves.items()}
+    out["grad_placements"] = {k: tuple(str(p) for p in v.grad.placements) for k, v in leaves.items()
+                              if isinstance(v.grad, DTensor)}
+    return out
+
+
+def cases_program(rank: int, world: int, names: tuple[str, ...]) -> dict:
+    mesh = _mesh(world)
+    return {name: run_case(rank, world, name, mesh) for name in names}

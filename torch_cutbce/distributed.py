@@ -1,0 +1,351 @@
+"""DTensor inputs: the torch.distributed layout around any engine (FSDP2, DTensor, DDP; gloo, NCCL, tpu_dist).
+
+Distributed is a layout, not an engine: every engine computes rows over a slice of the catalog
+(ids outside it are padding there), and this module decides which positions meet which rows and
+which collectives join them. The table is never gathered; every collective is O(N D) bytes.
+
+The item table (`item_weight`, with `bias`, `class_weight`, `pos_weight` beside it) is one of:
+
+    sharded     `Shard(0)` over one mesh dimension, `Replicate()` over the others (FSDP2; HSDP on a
+                2-D mesh), even or uneven (torch.chunk's rows per rank, as FSDP2 and
+                `distribute_tensor` lay them out)
+    replicated  `Replicate()` over every mesh dimension
+    plain       a torch.Tensor: the whole table on every rank (DDP's; nothing to do here)
+
+and the positions (`hidden`, `targets`, `weight`) are:
+
+    local       plain tensors, or DTensors `Shard(0)` over every mesh dimension: each rank its own
+                batch (data parallel)
+    replicated  DTensors `Replicate()` over every mesh dimension: one batch seen by every rank
+                (tensor parallel, as `vocab_parallel=`)
+
+Gradient semantics are data-parallel training's: with local positions, each rank's loss is its own
+positions' loss with the meaning it has on one device, `d_hidden` is that loss's gradient, and the
+table's gradient is the gradient of the mean of the ranks' losses (what DDP and FSDP2 give with the
+table gathered), so k optimizer steps equal one process training on the mean loss. With
+replicated positions every rank holds the one loss and every rank's upstream gradient must be the
+same (Megatron's rule): the table's gradient is that loss's.
+
+Collectives (P ranks in the table's shard group, n_max the most positions a rank has):
+
+    local x sharded     forward: all_gather of [n, L] sizes (P x 2 ints), hidden (P n_max D) and
+                        targets (P n_max L); reduce_scatter of rows and counts (P n_max x 5).
+                        backward: all_gather of the rows' gradient (P n_max), reduce_scatter of
+                        d_hidden (P n_max D, in float32); HSDP: all_reduce of the table's
+                        gradient shard over the replicas (V / P x D, what FSDP2's HSDP does too)
+    local x replicated  backward: all_reduce of the table's gradient (V D, what DDP does)
+    replicated x sharded
+                        forward: all_reduce of rows and counts (n x 5); backward: all_reduce of
+                        d_hidden (n D)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from torch_cutbce.arguments import check_ids_below_vocab
+from torch_cutbce.positives import accumulation_dtype
+from torch_cutbce.vocab_parallel import _CopyToRanks, _SumOverRanks
+
+_POSITION_NAMES = ("hidden", "targets", "weight")
+_TABLE_NAMES = ("item_weight", "bias", "class_weight", "pos_weight")
+
+
+@functools.lru_cache(maxsize=None)
+def _dtensor_type():
+    """`DTensor`, or None where torch.distributed is not built (imported on first use: it costs)."""
+    if not dist.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def is_dtensor(x) -> bool:
+    cls = _dtensor_type()
+    return cls is not None and isinstance(x, cls)
+
+
+def _describe(x) -> str:
+    return f"a DTensor with placements {tuple(x.placements)} on a mesh of shape {tuple(x.device_mesh.shape)}"
+
+
+def _placement_kinds(x):
+    """('shard', 'replicate') names for each mesh dimension of `x`, or None for anything else."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    kinds = []
+    for p in x.placements:
+        if isinstance(p, Replicate):
+            kinds.append("replicate")
+        elif isinstance(p, Shard) and p.dim == 0:
+            kinds.append("shard")
+        else:
+            return None
+    return kinds
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How one call's tensors lie over the ranks (module docstring).
+
+    Attributes:
+      positions: 'local' or 'replicated'.
+      table: 'sharded', 'replicated' or 'plain'.
+      mesh: the DeviceMesh of the DTensor arguments.
+      shard_dim: the mesh dimension the table is sharded over (None unless 'sharded').
+      start, stop: this rank's global item ids `[start, stop)`.
+      num_items: the global V.
+    """
+
+    positions: str
+    table: str
+    mesh: object
+    shard_dim: int | None
+    start: int
+    stop: int
+    num_items: int
+
+    @property
+    def shard_group(self):
+        return self.mesh.get_group(self.shard_dim)
+
+    def _table_grad_groups(self):
+        """The mesh groups the table's gradient is summed over (local positions): every dimension
+        the table is replicated over."""
+        return [self.mesh.get_group(d) for d in range(self.mesh.ndim) if d != self.shard_dim]
+
+
+def _check_table(item_weight, others: dict, mesh):
+    """The table's kind and shard dimension; `others` (bias, class_weight, pos_weight) must lie as
+    it does (class_weight and pos_weight may also be plain `[V]` tensors, sliced here)."""
+    if not is_dtensor(item_weight):
+        for name, x in others.items():
+            if is_dtensor(x):
+                raise ValueError(f"{name} is {_describe(x)} but item_weight is a plain tensor: give the table's "
+                                 f"arguments one layout (all DTensors with item_weight's placements, or none)")
+        return "plain", None
+    kinds = _placement_kinds(item_weight)
+    shards = [d for d, k in enumerate(kinds or ()) if k == "shard"]
+    if kinds is None or len(shards) > 1:
+        raise ValueError(
+            f"item_weight is {_describe(item_weight)}; CutBCE takes an item table sharded Shard(0) over one "
+            f"mesh dimension and Replicate() over the others (FSDP2, HSDP), or Replicate() everywhere "
+            f"(Shard(1), Partial and a table sharded over two mesh dimensions are not supported)")
+    if item_weight.device_mesh != mesh:
+        raise ValueError(f"item_weight is {_describe(item_weight)} but the positions lie on another mesh "
+                         f"{tuple(mesh.shape)}: use one DeviceMesh for every DTensor argument")
+    for name, x in others.items():
+        if x is None:
+            continue
+        if is_dtensor(x):
+            if x.device_mesh != item_weight.device_mesh or tuple(x.placements) != tuple(item_weight.placements):
+                raise ValueError(f"{name} is {_describe(x)} but item_weight is {_describe(item_weight)}: "
+                                 f"{name} must have item_weight's mesh and placements")
+        elif name == "bias":
+            raise ValueError(f"bias is a plain tensor but item_weight is {_describe(item_weight)}: make bias a "
+                             f"DTensor with item_weight's placements (shard it with the table), so its gradient "
+                             f"lies as the table's does")
+    return ("sharded", shards[0]) if shards else ("replicated", None)
+
+
+def _check_positions(hidden, targets, weight):
+    """The positions' kind and mesh (None for plain tensors)."""
+    tensors = dict(hidden=hidden, targets=targets, weight=weight)
+    dtensors = {k: x for k, x in tensors.items() if is_dtensor(x)}
+    if not dtensors:
+        return "local", None
+    first, x0 = next(iter(dtensors.items()))
+    for name, x in tensors.items():
+        if x is not None and not is_dtensor(x):
+            raise ValueError(f"{name} is a plain tensor but {first} is {_describe(x0)}: hidden, targets and "
+                             f"weight must all be DTensors with one layout, or all plain tensors")
+        if x is not None and (x.device_mesh != x0.device_mesh or tuple(x.placements) != tuple(x0.placements)):
+            raise ValueError(f"{name} is {_describe(x)} but {first} is {_describe(x0)}: hidden, targets and "
+                             f"weight must share one mesh and placements")
+    kinds = _placement_kinds(x0)
+    if kinds is not None and all(k == "shard" for k in kinds):
+        return "local", x0.device_mesh
+    if kinds is not None and all(k == "replicate" for k in kinds):
+        return "replicated", x0.device_mesh
+    raise ValueError(
+        f"{first} is {_describe(x0)}; CutBCE takes positions Shard(0) over every mesh dimension (each rank its "
+        f"own batch) or Replicate() over every one (one batch on every rank)")
+
+
+def _table_slice(item_weight, shard_dim: int | None) -> tuple[int, int]:
+    """This rank's global ids `[start, stop)`: torch.chunk's rows per rank, checked against the shard."""
+    num_items = item_weight.shape[0]
+    if shard_dim is None:
+        return 0, num_items
+    mesh = item_weight.device_mesh
+    ranks = mesh.size(shard_dim)
+    rank = mesh.get_local_rank(shard_dim)
+    chunk = -(-num_items // ranks)
+    start, stop = min(rank * chunk, num_items), min((rank + 1) * chunk, num_items)
+    rows = item_weight.to_local().shape[0]
+    if rows != stop - start:
+        raise ValueError(
+            f"item_weight's local shard on mesh rank {rank} has {rows} rows, but Shard(0) of V={num_items} over "
+            f"{ranks} ranks gives it {stop - start} (torch.chunk's layout, as FSDP2 and distribute_tensor make it)")
+    return start, stop
+
+
+def layout_of(hidden, item_weight, targets, bias, weight, class_weight, pos_weight) -> Layout | None:
+    """The layout of a call, or None when no argument is a DTensor; raises ValueError for a placement
+    CutBCE does not take, naming the argument, its placement and what is supported."""
+    tensors = (hidden, item_weight, targets, bias, weight, class_weight, pos_weight)
+    if not any(is_dtensor(x) for x in tensors):
+        return None
+    positions, mesh = _check_positions(hidden, targets, weight)
+    if mesh is None:
+        mesh = item_weight.device_mesh if is_dtensor(item_weight) else None
+    table, shard_dim = _check_table(item_weight, dict(bias=bias, class_weight=class_weight, pos_weight=pos_weight),
+                                    mesh)
+    start, stop = _table_slice(item_weight, shard_dim)
+    return Layout(positions, table, mesh, shard_dim, start, stop, item_weight.shape[0])
+
+
+def _local(x, layout: Layout):
+    """The tensor this rank computes with: a DTensor's local part (differentiable: the gradient comes
+    back as a DTensor with its placements), or a plain `[V]` constant's slice of the table's rows."""
+    if x is None:
+        return None
+    if is_dtensor(x):
+        return x.to_local()
+    return x
+
+
+def localize(layout: Layout, hidden, item_weight, targets, bias, weight, class_weight, pos_weight):
+    """The arguments as this rank's plain tensors, the table's wrapped for the gradient semantics."""
+    hidden, targets, weight = (_local(x, layout) for x in (hidden, targets, weight))
+    item_weight, bias = (_local(x, layout) for x in (item_weight, bias))
+    class_weight, pos_weight = (_local_constant(x, layout) for x in (class_weight, pos_weight))
+    if layout.positions == "local" and layout.table != "plain":
+        # The mean over the data-parallel ranks (module docstring): sum over the mesh dimensions the
+        # table is replicated over (its shard group's sum happens in the rows' backward), / world.
+        groups, world = layout._table_grad_groups(), layout.mesh.size()
+        item_weight = _TableGradMean.apply(item_weight, groups, world)
+        if bias is not None:
+            bias = _TableGradMean.apply(bias, groups, world)
+    return hidden, item_weight, targets, bias, weight, class_weight, pos_weight
+
+
+def _local_constant(x, layout: Layout):
+    if x is None or is_dtensor(x):
+        return _local(x, layout)
+    return x[layout.start:layout.stop] if layout.table == "sharded" else x
+
+
+class _TableGradMean(torch.autograd.Function):
+    """Identity forward; the backward sums the gradient over `groups` and divides by `world`."""
+
+    @staticmethod
+    def forward(ctx, x, groups, world):
+        ctx.groups, ctx.world = groups, world
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Dense: a DTensor parameter's AccumulateGrad would otherwise re-lay a strided gradient
+        # out as Replicate, gathering it.
+        grad = grad.contiguous().clone()
+        for group in ctx.groups:
+            dist.all_reduce(grad, group=group)
+        return grad.div_(ctx.world), None, None
+
+
+class _GatherPositions(torch.autograd.Function):
+    """all_gather along dim 0 over `group` (`[n_max, ...]` -> `[P n_max, ...]`); the backward
+    reduce-scatters the gradient in float32 (each rank's share summed over the ranks' partials)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        acc = accumulation_dtype(grad.dtype)
+        grad = grad.to(acc).contiguous()
+        out = grad.new_empty((grad.shape[0] // dist.get_world_size(ctx.group), *grad.shape[1:]))
+        dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+        return out, None
+
+
+class _ScatterPositions(torch.autograd.Function):
+    """reduce_scatter along dim 0 over `group` (`[P n_max, ...]` -> `[n_max, ...]`, summed); the
+    backward all-gathers the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.contiguous()
+        out = x.new_empty((x.shape[0] // dist.get_world_size(group), *x.shape[1:]))
+        dist.reduce_scatter_tensor(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        out = grad.new_empty((dist.get_world_size(ctx.group) * grad.shape[0], *grad.shape[1:]))
+        dist.all_gather_into_tensor(out, grad, group=ctx.group)
+        return out, None
+
+
+def _gather_no_grad(x, group):
+    out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+def _slice_ids(targets, layout: Layout):
+    """Global ids -> this rank's rows (`id - start`); ids of other ranks' rows become padding (-1)."""
+    inside = (targets >= layout.start) & (targets < layout.stop)
+    return torch.where(inside, targets - layout.start, torch.full_like(targets, -1))
+
+
+def _slice_rows(engine, flat, options, layout: Layout):
+    """`engine.rows` on this rank's slice of the table; a rank without rows (uneven shards) gives zero
+    rows that still depend on hidden, so every rank's backward runs the same collectives."""
+    hidden, item_weight, bias, class_weight, pos_weight, targets = flat
+    if layout.stop > layout.start:
+        return engine.rows((hidden, item_weight, bias, class_weight, pos_weight, _slice_ids(targets, layout)),
+                           options, None)
+    n = hidden.shape[0]
+    rows = hidden[:, :0].sum(-1).to(accumulation_dtype(hidden.dtype))
+    return rows, rows.new_zeros((4 if options.compute_metrics else 0, n), dtype=torch.float32)
+
+
+def layout_rows(layout: Layout, engine, flat, options):
+    """`(rows [n], counts [4 or 0, n])` of this rank's positions over the whole catalog.
+
+    `flat = (hidden [n, D], item_weight [V_local, D], bias, class_weight, pos_weight, targets [n, L])`
+    as `localize` made them; `options` without an offset (ids are sliced here, for any engine).
+    """
+    hidden, item_weight, bias, class_weight, pos_weight, targets = flat
+    check_ids_below_vocab(targets, layout.num_items)  # each rank its own ids, against the global V
+    if layout.table != "sharded":
+        return engine.rows(flat, options, None)
+    group = layout.shard_group
+    if layout.positions == "replicated":  # the vocab-parallel conjugates: same positions everywhere
+        rows, counts = _slice_rows(engine, (_CopyToRanks.apply(hidden, group), *flat[1:]), options, layout)
+        stacked = _SumOverRanks.apply(torch.cat([rows[None], counts.to(rows.dtype)]), group)
+        return stacked[0], stacked[1:].detach().float()
+    n, slots = targets.shape
+    sizes = _gather_no_grad(torch.tensor([[n, slots]], dtype=torch.int64, device=hidden.device), group)
+    n_max, slots_max = (int(s) for s in sizes.max(0).values)
+    hidden_all = _GatherPositions.apply(F.pad(hidden, (0, 0, 0, n_max - n)), group)
+    targets_all = _gather_no_grad(F.pad(targets, (0, slots_max - slots, 0, n_max - n), value=-1), group)
+    rows, counts = _slice_rows(engine, (hidden_all, item_weight, bias, class_weight, pos_weight, targets_all),
+                               options, layout)
+    # One reduce_scatter: counts are integers below 2**24, exact in float32 and float64.
+    stacked = _ScatterPositions.apply(torch.cat([rows[:, None], counts.T.to(rows.dtype)], dim=1), group)
+    return stacked[:n, 0], stacked[:n, 1:].T.detach().float()
