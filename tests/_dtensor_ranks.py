@@ -46,7 +46,17 @@ CASES = {  # name: (table layout, positions layout, reduction, dtype, focal)
     "replicated-mean": ("replicate", "plain", "mean", "float32", None),
     "hidden-shard-sum": ("shard", "shard", "sum", "float32", None),
     "hidden-replicate-none": ("shard", "replicate", "none", "float32", None),
+    "hsdp-mean": ("hsdp", "plain", "mean", "float32", None),  # 4 ranks: 2 replicas x 2 shards
 }
+
+
+def cases_for(world: int) -> tuple[str, ...]:
+    return tuple(name for name, case in CASES.items() if case[0] != "hsdp" or world == 4)
+
+
+def shard_coordinate(case: str, rank: int, world: int) -> tuple[int, int]:
+    """(this rank's shard, the number of shards) of the case's table."""
+    return (rank % 2, 2) if CASES[case][0] == "hsdp" else (rank, world)
 
 
 def _mesh(world):
@@ -63,7 +73,11 @@ def run_case(rank: int, world: int, name: str, mesh) -> dict:
     tdt = torch_dtype(dtype)
     tab = {k: torch.as_tensor(v).to(tdt if k in ("item_weight", "bias") else torch.float32)
            for k, v in table(dtype).items()}
-    placement = [Shard(0)] if table_layout == "shard" else [Replicate()]
+    placement = {"shard": [Shard(0)], "replicate": [Replicate()], "hsdp": [Replicate(), Shard(0)]}[table_layout]
+    if table_layout == "hsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     tab = {k: distribute_tensor(v, mesh, placement) for k, v in tab.items()}
     source = 0 if position_layout == "replicate" else rank
     pos = positions(source, dtype)
@@ -95,6 +109,54 @@ def run_case(rank: int, world: int, name: str, mesh) -> dict:
     return out
 
 
-def cases_program(rank: int, world: int, names: tuple[str, ...]) -> dict:
+def cases_program(rank: int, world: int) -> dict:
+    """Every case for this world, the refusals, and the FSDP2 runs (tests/_fsdp_ranks.py): one
+    spawn of the ranks per world."""
+    import _fsdp_ranks
+
     mesh = _mesh(world)
-    return {name: run_case(rank, world, name, mesh) for name in names}
+    out = {name: run_case(rank, world, name, mesh) for name in cases_for(world)}
+    out["refusals"] = refusals(mesh)
+    out["fsdp"] = _fsdp_ranks.fsdp_program(rank, world, tuple(_fsdp_ranks.VARIANTS))
+    return out
+
+
+def refusals(mesh) -> dict:
+    """Each unsupported layout: the error's type and message (None: no error)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    tab = {k: torch.as_tensor(v).float() for k, v in table("float32").items()}
+    pos = positions(dist.get_rank(), "float32")
+    hidden, targets = torch.as_tensor(pos["hidden"]).float(), torch.as_tensor(pos["targets"])
+    sharded = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in tab.items()}
+    other = init_device_mesh("cpu", (mesh.size(),), mesh_dim_names=("other",))
+    calls = {
+        "table-shard1": lambda: (hidden, distribute_tensor(tab["item_weight"], mesh, [Shard(1)]), targets),
+        "table-partial": lambda: (hidden, DTensor.from_local(tab["item_weight"], mesh, [Partial()]), targets),
+        "bias-plain": lambda: (hidden, sharded["item_weight"], targets, tab["bias"]),
+        "bias-replicated": lambda: (hidden, sharded["item_weight"], targets,
+                                    distribute_tensor(tab["bias"], mesh, [Replicate()])),
+        "hidden-shard1": lambda: (DTensor.from_local(hidden[None], mesh, [Shard(1)], run_check=False),
+                                  sharded["item_weight"], DTensor.from_local(targets[None], mesh, [Shard(1)],
+                                                                              run_check=False)),
+        "targets-plain": lambda: (DTensor.from_local(hidden, mesh, [Shard(0)], run_check=False),
+                                  sharded["item_weight"], targets),
+        "other-mesh": lambda: (DTensor.from_local(hidden, other, [Shard(0)], run_check=False),
+                               sharded["item_weight"], DTensor.from_local(targets, other, [Shard(0)], run_check=False)),
+    }
+    out = {}
+    for name, make in calls.items():
+        try:
+            tc.cut_bce_with_logits(*make())
+            out[name] = None
+        except Exception as error:  # noqa: BLE001 (the test checks type and message)
+            out[name] = (type(error).__name__, str(error))
+    from torch_cutbce.vocab_parallel import VocabParallelOptions
+
+    try:
+        tc.cut_bce_with_logits(hidden, sharded["item_weight"], targets, vocab_parallel=VocabParallelOptions(0, 1, V))
+        out["vocab-parallel"] = None
+    except Exception as error:  # noqa: BLE001
+        out["vocab-parallel"] = (type(error).__name__, str(error))
+    return out

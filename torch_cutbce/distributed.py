@@ -223,17 +223,41 @@ def _local(x, layout: Layout):
 
 def localize(layout: Layout, hidden, item_weight, targets, bias, weight, class_weight, pos_weight):
     """The arguments as this rank's plain tensors, the table's wrapped for the gradient semantics."""
+    table = item_weight
     hidden, targets, weight = (_local(x, layout) for x in (hidden, targets, weight))
     item_weight, bias = (_local(x, layout) for x in (item_weight, bias))
     class_weight, pos_weight = (_local_constant(x, layout) for x in (class_weight, pos_weight))
     if layout.positions == "local" and layout.table != "plain":
         # The mean over the data-parallel ranks (module docstring): sum over the mesh dimensions the
-        # table is replicated over (its shard group's sum happens in the rows' backward), / world.
-        groups, world = layout._table_grad_groups(), layout.mesh.size()
-        item_weight = _TableGradMean.apply(item_weight, groups, world)
+        # table is replicated over (its shard group's sum happens in the rows' backward), / world,
+        # or / the divide factor FSDP2 was given for this table.
+        groups, divisor = layout._table_grad_groups(), gradient_divide_factor(table, layout.mesh.size())
+        item_weight = _TableGradMean.apply(item_weight, groups, divisor)
         if bias is not None:
-            bias = _TableGradMean.apply(bias, groups, world)
+            bias = _TableGradMean.apply(bias, groups, divisor)
     return hidden, item_weight, targets, bias, weight, class_weight, pos_weight
+
+
+def gradient_divide_factor(param, world: int) -> float:
+    """What FSDP2 divides the gradients of `param`'s module by: the factor set with
+    `FSDPModule.set_gradient_divide_factor`, else the data-parallel world (FSDP2's default, and what
+    a DTensor table outside FSDP2 gets).
+
+    FSDP2 keeps the factor on the module's parameter group, which a tensor does not point to; it is
+    found through the registry of FSDP2's module states (private to torch: where its layout
+    differs, the default is used).
+    """
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+    except ImportError:
+        return float(world)
+    for state_ref in list(_module_state_mapping.values()):
+        group = getattr(state_ref(), "_fsdp_param_group", None)
+        for fsdp_param in getattr(group, "fsdp_params", ()):
+            if getattr(fsdp_param, "sharded_param", None) is param:
+                factor = getattr(group, "gradient_divide_factor", None)
+                return float(world) if factor is None else float(factor)
+    return float(world)
 
 
 def _local_constant(x, layout: Layout):
@@ -243,11 +267,11 @@ def _local_constant(x, layout: Layout):
 
 
 class _TableGradMean(torch.autograd.Function):
-    """Identity forward; the backward sums the gradient over `groups` and divides by `world`."""
+    """Identity forward; the backward sums the gradient over `groups` and divides by `divisor`."""
 
     @staticmethod
-    def forward(ctx, x, groups, world):
-        ctx.groups, ctx.world = groups, world
+    def forward(ctx, x, groups, divisor):
+        ctx.groups, ctx.divisor = groups, divisor
         return x.view_as(x)
 
     @staticmethod
@@ -257,7 +281,7 @@ class _TableGradMean(torch.autograd.Function):
         grad = grad.contiguous().clone()
         for group in ctx.groups:
             dist.all_reduce(grad, group=group)
-        return grad.div_(ctx.world), None, None
+        return grad.div_(ctx.divisor), None, None
 
 
 class _GatherPositions(torch.autograd.Function):
@@ -306,6 +330,16 @@ def _gather_no_grad(x, group):
     return out
 
 
+def _largest_over_ranks(sizes: tuple[int, ...], device, group) -> tuple[int, ...]:
+    """The largest of each size over the ranks (one all_gather of a few ints, read on the host).
+    On `meta` tensors (shape tracing, torch's fake process group) there are no values to read:
+    every rank is taken to have this rank's sizes."""
+    if device.type == "meta":
+        return sizes
+    gathered = _gather_no_grad(torch.tensor([sizes], dtype=torch.int64, device=device), group)
+    return tuple(int(s) for s in gathered.max(0).values.tolist())
+
+
 def _slice_ids(targets, layout: Layout):
     """Global ids -> this rank's rows (`id - start`); ids of other ranks' rows become padding (-1)."""
     inside = (targets >= layout.start) & (targets < layout.stop)
@@ -340,8 +374,7 @@ def layout_rows(layout: Layout, engine, flat, options):
         stacked = _SumOverRanks.apply(torch.cat([rows[None], counts.to(rows.dtype)]), group)
         return stacked[0], stacked[1:].detach().float()
     n, slots = targets.shape
-    sizes = _gather_no_grad(torch.tensor([[n, slots]], dtype=torch.int64, device=hidden.device), group)
-    n_max, slots_max = (int(s) for s in sizes.max(0).values)
+    n_max, slots_max = _largest_over_ranks((n, slots), hidden.device, group)
     hidden_all = _GatherPositions.apply(F.pad(hidden, (0, 0, 0, n_max - n)), group)
     targets_all = _gather_no_grad(F.pad(targets, (0, slots_max - slots, 0, n_max - n), value=-1), group)
     rows, counts = _slice_rows(engine, (hidden_all, item_weight, bias, class_weight, pos_weight, targets_all),

@@ -99,11 +99,11 @@ def cut_bce_with_logits(
       `(loss, CutBCEMetrics)`. Gradients come back in each input's dtype. The native backend's
       gradients are not differentiable again (double backward raises a RuntimeError).
     """
-    # DTensors describe their global shapes: the rules hold for the whole call, then each rank
-    # computes with its local part (`torch_cutbce.distributed`).
+    # DTensors: their placements first (the clearest message), then the rules on their global
+    # shapes; each rank computes with its local parts (`torch_cutbce.distributed`).
+    layout = distributed.layout_of(hidden, item_weight, targets, bias, weight, class_weight, pos_weight)
     size = arguments.check(hidden, item_weight, targets, bias, weight, class_weight, pos_weight,
                            reduction=reduction, block_v=block_v)
-    layout = distributed.layout_of(hidden, item_weight, targets, bias, weight, class_weight, pos_weight)
     if layout is not None:
         arguments.check_no_parallel_options(mesh, vocab_parallel)
         hidden, item_weight, targets, bias, weight, class_weight, pos_weight = distributed.localize(
