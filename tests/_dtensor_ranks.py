@@ -47,6 +47,7 @@ CASES = {  # name: (table layout, positions layout, reduction, dtype, focal)
     "hidden-shard-sum": ("shard", "shard", "sum", "float32", None),
     "hidden-replicate-none": ("shard", "replicate", "none", "float32", None),
     "hsdp-mean": ("hsdp", "plain", "mean", "float32", None),  # 4 ranks: 2 replicas x 2 shards
+    "plain-constants-sum": ("shard", "plain", "sum", "float32", None),  # class/pos weight plain [V]
 }
 
 
@@ -78,7 +79,8 @@ def run_case(rank: int, world: int, name: str, mesh) -> dict:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    tab = {k: distribute_tensor(v, mesh, placement) for k, v in tab.items()}
+    plain = ("class_weight", "pos_weight") if name.startswith("plain-constants") else ()
+    tab = {k: v if k in plain else distribute_tensor(v, mesh, placement) for k, v in tab.items()}
     source = 0 if position_layout == "replicate" else rank
     pos = positions(source, dtype)
     pos = dict(hidden=torch.as_tensor(pos["hidden"]).to(tdt), targets=torch.as_tensor(pos["targets"]),

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 from torch_cutbce.arguments import check_ids_below_vocab
 from torch_cutbce.positives import accumulation_dtype
-from torch_cutbce.vocab_parallel import _CopyToRanks, _SumOverRanks
+from torch_cutbce.vocab_parallel import CopyToRanks, SumOverRanks
 
 _POSITION_NAMES = ("hidden", "targets", "weight")
 _TABLE_NAMES = ("item_weight", "bias", "class_weight", "pos_weight")
@@ -211,21 +211,17 @@ def layout_of(hidden, item_weight, targets, bias, weight, class_weight, pos_weig
     return Layout(positions, table, mesh, shard_dim, start, stop, item_weight.shape[0])
 
 
-def _local(x, layout: Layout):
-    """The tensor this rank computes with: a DTensor's local part (differentiable: the gradient comes
-    back as a DTensor with its placements), or a plain `[V]` constant's slice of the table's rows."""
-    if x is None:
-        return None
-    if is_dtensor(x):
-        return x.to_local()
-    return x
+def _local(x):
+    """A DTensor's local part (differentiable: its gradient comes back as a DTensor with its
+    placements); a plain tensor or None as it is."""
+    return x.to_local() if is_dtensor(x) else x
 
 
 def localize(layout: Layout, hidden, item_weight, targets, bias, weight, class_weight, pos_weight):
     """The arguments as this rank's plain tensors, the table's wrapped for the gradient semantics."""
     table = item_weight
-    hidden, targets, weight = (_local(x, layout) for x in (hidden, targets, weight))
-    item_weight, bias = (_local(x, layout) for x in (item_weight, bias))
+    hidden, targets, weight = (_local(x) for x in (hidden, targets, weight))
+    item_weight, bias = (_local(x) for x in (item_weight, bias))
     class_weight, pos_weight = (_local_constant(x, layout) for x in (class_weight, pos_weight))
     if layout.positions == "local" and layout.table != "plain":
         # The mean over the data-parallel ranks (module docstring): sum over the mesh dimensions the
@@ -261,8 +257,10 @@ def gradient_divide_factor(param, world: int) -> float:
 
 
 def _local_constant(x, layout: Layout):
+    """class_weight / pos_weight: a DTensor's local part, or a plain `[V]` tensor's slice of this
+    rank's rows."""
     if x is None or is_dtensor(x):
-        return _local(x, layout)
+        return _local(x)
     return x[layout.start:layout.stop] if layout.table == "sharded" else x
 
 
@@ -304,24 +302,29 @@ class _GatherPositions(torch.autograd.Function):
         return out, None
 
 
-class _ScatterPositions(torch.autograd.Function):
-    """reduce_scatter along dim 0 over `group` (`[P n_max, ...]` -> `[n_max, ...]`, summed); the
-    backward all-gathers the gradient."""
+class _ScatterRows(torch.autograd.Function):
+    """One reduce_scatter along the positions over `group` of the rows `[P n_max]` and counts
+    `[P n_max, C]` (summed over the ranks' slices) -> `[n_max]`, `[n_max, C]`; the backward
+    all-gathers the rows' gradient (the counts have none)."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, rows, counts, group):
         ctx.group = group
-        x = x.contiguous()
-        out = x.new_empty((x.shape[0] // dist.get_world_size(group), *x.shape[1:]))
-        dist.reduce_scatter_tensor(out, x, group=group)
-        return out
+        stacked = torch.cat([rows[:, None], counts.to(rows.dtype)], dim=1)
+        out = stacked.new_empty((stacked.shape[0] // dist.get_world_size(group), stacked.shape[1]))
+        dist.reduce_scatter_tensor(out, stacked, group=group)
+        own_counts = out[:, 1:].float()
+        ctx.mark_non_differentiable(own_counts)
+        return out[:, 0].contiguous(), own_counts
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, _grad_counts):
+        if grad is None:
+            return None, None, None
         grad = grad.contiguous()
-        out = grad.new_empty((dist.get_world_size(ctx.group) * grad.shape[0], *grad.shape[1:]))
+        out = grad.new_empty((dist.get_world_size(ctx.group) * grad.shape[0],))
         dist.all_gather_into_tensor(out, grad, group=ctx.group)
-        return out, None
+        return out, None, None
 
 
 def _gather_no_grad(x, group):
@@ -370,8 +373,8 @@ def layout_rows(layout: Layout, engine, flat, options):
         return engine.rows(flat, options, None)
     group = layout.shard_group
     if layout.positions == "replicated":  # the vocab-parallel conjugates: same positions everywhere
-        rows, counts = _slice_rows(engine, (_CopyToRanks.apply(hidden, group), *flat[1:]), options, layout)
-        stacked = _SumOverRanks.apply(torch.cat([rows[None], counts.to(rows.dtype)]), group)
+        rows, counts = _slice_rows(engine, (CopyToRanks.apply(hidden, group), *flat[1:]), options, layout)
+        stacked = SumOverRanks.apply(torch.cat([rows[None], counts.to(rows.dtype)]), group)
         return stacked[0], stacked[1:].detach().float()
     n, slots = targets.shape
     n_max, slots_max = _largest_over_ranks((n, slots), hidden.device, group)
@@ -380,5 +383,5 @@ def layout_rows(layout: Layout, engine, flat, options):
     rows, counts = _slice_rows(engine, (hidden_all, item_weight, bias, class_weight, pos_weight, targets_all),
                                options, layout)
     # One reduce_scatter: counts are integers below 2**24, exact in float32 and float64.
-    stacked = _ScatterPositions.apply(torch.cat([rows[:, None], counts.T.to(rows.dtype)], dim=1), group)
-    return stacked[:n, 0], stacked[:n, 1:].T.detach().float()
+    own_rows, own_counts = _ScatterRows.apply(rows, counts.T, group)
+    return own_rows[:n], own_counts[:n].T

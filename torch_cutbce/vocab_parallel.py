@@ -48,7 +48,7 @@ class VocabParallelOptions:
         return cls(rank * chunk, min((rank + 1) * chunk, num_items), num_items, group)
 
 
-class _CopyToRanks(torch.autograd.Function):
+class CopyToRanks(torch.autograd.Function):
     """Identity forward; the backward sums the ranks' partial gradients (each saw only its items)."""
 
     @staticmethod
@@ -63,7 +63,7 @@ class _CopyToRanks(torch.autograd.Function):
         return grad, None
 
 
-class _SumOverRanks(torch.autograd.Function):
+class SumOverRanks(torch.autograd.Function):
     """all_reduce forward; identity backward (every rank holds the same upstream gradient)."""
 
     @staticmethod
@@ -92,12 +92,12 @@ def vocab_parallel_rows(hidden, item_weight, bias, class_weight, pos_weight, tar
     rows, counts and `d_hidden` on every rank (module docstring).
     """
     _check_slice(item_weight, vocab_parallel)
-    hidden = _CopyToRanks.apply(hidden, vocab_parallel.group)
+    hidden = CopyToRanks.apply(hidden, vocab_parallel.group)
     # Global ids: the op keeps those in [start, stop) as local ids, the others are another rank's;
     # ids >= the global V raise (CPU) or assert (CUDA) inside the op, as on one device.
     rows, counts = ops.rows(hidden, item_weight, bias, class_weight, pos_weight, targets, options)
     # One all_reduce: counts are integers below 2**24, exact in float32 and float64.
-    stacked = _SumOverRanks.apply(torch.cat([rows[None], counts.to(rows.dtype)]), vocab_parallel.group)
+    stacked = SumOverRanks.apply(torch.cat([rows[None], counts.to(rows.dtype)]), vocab_parallel.group)
     return stacked[0], stacked[1:].detach().float()
 
 
@@ -107,13 +107,13 @@ def vocab_parallel_loss(hidden, item_weight, bias, weight, class_weight, pos_wei
 
     Each rank's `torch_cutbce::loss` computes its items' share of the loss, counts and gradients
     in the forward (`divisor` is the global one); one all_reduce sums the shares. hidden and
-    weight enter through `_CopyToRanks`, so their gradients (each rank's partial) are summed over
+    weight enter through `CopyToRanks`, so their gradients (each rank's partial) are summed over
     the ranks.
     """
     _check_slice(item_weight, vocab_parallel)
-    hidden = _CopyToRanks.apply(hidden, vocab_parallel.group)
+    hidden = CopyToRanks.apply(hidden, vocab_parallel.group)
     if weight is not None and weight.requires_grad:
-        weight = _CopyToRanks.apply(weight, vocab_parallel.group)
+        weight = CopyToRanks.apply(weight, vocab_parallel.group)
     loss, counts = ops.loss(hidden, item_weight, bias, weight, class_weight, pos_weight, targets, divisor, options)
-    stacked = _SumOverRanks.apply(torch.cat([loss[None], counts.to(loss.dtype)]), vocab_parallel.group)
+    stacked = SumOverRanks.apply(torch.cat([loss[None], counts.to(loss.dtype)]), vocab_parallel.group)
     return stacked[0], stacked[1:].detach().float()
