@@ -40,8 +40,10 @@ def to_cpu(obj):
 
 
 def rng_states(device: torch.device) -> dict:
-    """The RNG states a resumed run must restore: torch's CPU generator, and the XLA device's."""
+    """The RNG states a resumed run must restore: torch's CPU generator, and the XLA or CUDA device's."""
     states = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
     if device.type == "xla":
         import torch_xla.core.xla_model as xm
 
@@ -52,6 +54,8 @@ def rng_states(device: torch.device) -> dict:
 def set_rng_states(states: dict, device: torch.device) -> None:
     """Restores what `rng_states` saved."""
     torch.set_rng_state(states["torch"])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(states["cuda"], device)
     if device.type == "xla":
         import torch_xla.core.xla_model as xm
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +60,10 @@ class TrainConfig:
     device: str = option("cpu", "cpu, or xla: torch_xla (a TPU, or PJRT_DEVICE=CPU)", choices=("cpu", "xla"))
     mesh: str = option("", "with --device xla: DATAxMODEL devices for torch_xla SPMD, e.g. 2x2 (the item table "
                            "split along V over MODEL); empty: one device")
+    fsdp: bool = option(False, "data parallel over torchrun's processes with the item table sharded by FSDP2 and "
+                               "read by the loss without gathering (torchrun --nproc-per-node P examples/train.py "
+                               "--fsdp; gloo on the CPU, NCCL on cuda:LOCAL_RANK where CUDA is available; "
+                               "--batch-size stays the global batch; examples/fsdp.py)")
     out_dir: str = option("", "where checkpoints, metrics.json and curves.png go (empty: "
                               "runs/<model>-<dataset>-<loss>-seed<seed>)")
     resume: bool = option(False, "continue from <out-dir>/ckpt.pt if it exists (exactly: same result as no kill)")
@@ -128,6 +133,8 @@ class TrainConfig:
             raise ValueError(f"--exclude-seen must be auto, yes or no, got {self.exclude_seen!r}")
         if self.mesh and (self.device != "xla" or not re.fullmatch(r"\d+x\d+", self.mesh)):
             raise ValueError(f"--mesh takes DATAxMODEL device counts (e.g. 2x2) with --device xla, got {self.mesh!r}")
+        if self.fsdp:
+            self._check_fsdp()
         if self.dataset == "yambda" and not self.data_path:
             raise ValueError("--dataset yambda needs --data-path (the parquet file or folder)")
         if self.data_path and not Path(self.data_path).exists():
@@ -155,6 +162,23 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(self, name)}")
         if not self.out_dir:
             self.out_dir = f"runs/{self.model}-{self.dataset}-{self.loss}-seed{self.seed}"
+
+
+    def _check_fsdp(self):
+        if self.device == "xla" or self.mesh:
+            raise ValueError("--fsdp shards the item table over torch.distributed processes (CPU or CUDA); it does "
+                             "not combine with --device xla or --mesh (torch_xla SPMD shards the table itself)")
+        if self.loss not in ("cutbce", "focal"):
+            raise ValueError(f"--fsdp: the loss reads the sharded item table directly, which --loss cutbce and "
+                             f"focal do; got --loss {self.loss}")
+        missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+        if missing:
+            raise ValueError(f"--fsdp runs under torchrun (its environment lacks {', '.join(missing)}): "
+                             f"torchrun --nproc-per-node P examples/train.py --fsdp ...")
+        world = int(os.environ["WORLD_SIZE"])
+        if self.batch_size < world:
+            raise ValueError(f"--fsdp: --batch-size {self.batch_size} (the global batch) gives each of the "
+                             f"{world} ranks at least one row only if it is >= {world}")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):

@@ -7,6 +7,7 @@
     python examples/train.py --dataset synthetic --synthetic-items 1000000
     python examples/train.py --device xla         # torch_xla (TPU, or PJRT_DEVICE=CPU)
     python examples/train.py --resume             # continue runs/.../ckpt.pt exactly where it stopped
+    torchrun --standalone --nproc-per-node 2 examples/train.py --fsdp   # data parallel, table sharded by FSDP2
 
 Each epoch ends with a validation pass; the best epoch by validation NDCG@10 is kept (best.pt) and
 only that model is evaluated on the test items, once, at the end, next to a popularity baseline.
@@ -37,7 +38,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from examples import data
+from examples import data, fsdp
 from examples.bert4rec import BERT4Rec
 from examples.config import TrainConfig, parse_args
 from examples.checkpoint import atomic_save, rng_states, set_rng_states, to_cpu
@@ -99,9 +100,12 @@ def make_batch(rows: np.ndarray, cfg: TrainConfig, model, step: int, users: np.n
     return batch
 
 
-def loss_of_batch(model, batch: dict[str, torch.Tensor], cfg: TrainConfig, pos_weight=None, mesh=None):
-    """The training loss of one batch (see examples/losses.py)."""
+def loss_of_batch(model, batch: dict[str, torch.Tensor], cfg: TrainConfig, pos_weight=None, mesh=None,
+                  ranks: fsdp.Ranks | None = None):
+    """The training loss of one batch (see examples/losses.py); with --fsdp this rank's share of it."""
     hidden = model(batch["inputs"])
+    if ranks is not None:
+        return fsdp.bce_loss(hidden, model, batch["targets"], batch["weight"], pos_weight, cfg, ranks)
     if cfg.loss == "sampled":
         return sampled_bce_loss(hidden, model.item_weight, model.item_bias, batch["targets"][..., 0],
                                 batch["negatives"], batch["weight"], cfg.pos_weight)
@@ -148,6 +152,16 @@ class Run:
     out_dir: Path
     users: np.ndarray | None = None  # [W] the user of each window (--loss sampled)
     sampler: data.NegativeSampler | None = None  # --loss sampled
+    ranks: fsdp.Ranks | None = None  # --fsdp
+
+    @property
+    def main(self) -> bool:
+        """The process that prints and writes files (rank 0 with --fsdp)."""
+        return self.ranks is None or self.ranks.main
+
+    @property
+    def world(self) -> int:
+        return 1 if self.ranks is None else self.ranks.world
 
     @property
     def steps_per_epoch(self) -> int:
@@ -178,10 +192,11 @@ def load_data(cfg: TrainConfig) -> tuple[data.SeqDataset, np.ndarray, bool]:
     return ds, windows, exclude_seen
 
 
-def build_model(cfg: TrainConfig, num_items: int, device: torch.device, mesh):
+def build_model(cfg: TrainConfig, num_items: int, device: torch.device, mesh, ranks: fsdp.Ranks | None = None):
     """The model, its optimizer (Adam or AdamW) and the loss's pos_weight (None when 1).
 
-    The seed fixes the initialization, made on the CPU so that it is the same on every device.
+    The seed fixes the initialization, made on the CPU so that it is the same on every device (and
+    on every rank: with --fsdp each rank then keeps its shard, examples/fsdp.py shard_model).
     """
     torch.manual_seed(cfg.seed)
     model = MODELS[cfg.model](RecConfig(num_items, cfg.max_len, cfg.dim, cfg.num_layers, cfg.num_heads,
@@ -197,6 +212,8 @@ def build_model(cfg: TrainConfig, num_items: int, device: torch.device, mesh):
         shard(model.item_emb.weight, mesh, ("model", None))  # each device holds a slice of the catalog
         if model.item_bias is not None:
             shard(model.item_bias, mesh, ("model",))
+    if ranks is not None:
+        fsdp.shard_model(model, ranks)  # before the optimizer: it holds the sharded parameters
     optimizer_class = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[cfg.optimizer]
     optimizer = optimizer_class(model.parameters(), lr=cfg.lr, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
     pos_weight = None if cfg.pos_weight == 1.0 else torch.full((num_items,), cfg.pos_weight, device=device)
@@ -207,50 +224,112 @@ def build_model(cfg: TrainConfig, num_items: int, device: torch.device, mesh):
     return model, optimizer, pos_weight
 
 
+def model_state(run: Run) -> dict:
+    """The model's state dict on the CPU (--fsdp: gathered, on rank 0; every rank must call it)."""
+    return to_cpu(run.model.state_dict()) if run.ranks is None else fsdp.model_state(run.model, run.ranks)
+
+
+def load_model_state(run: Run, state: dict) -> None:
+    """Loads a state dict (--fsdp: rank 0's, into every rank's shards)."""
+    if run.ranks is None:
+        run.model.load_state_dict(state)
+    else:
+        fsdp.load_model_state(run.model, state, run.ranks)
+
+
 def save_checkpoint(run: Run, state: TrainState) -> None:
-    atomic_save(dict(config=dataclasses.asdict(run.cfg), model=to_cpu(run.model.state_dict()),
-                     optimizer=to_cpu(run.optimizer.state_dict()), rng=to_cpu(rng_states(run.device)),
-                     state=dataclasses.asdict(state), data_order=run.data_order(state.epoch)),
-                run.out_dir / "ckpt.pt")
+    """ckpt.pt, written atomically by rank 0 (--fsdp: every rank joins the gathers; the format is one
+    process's, plus `world`, the number of processes, and `rank_rng`, every rank's RNG states)."""
+    rng = to_cpu(rng_states(run.device))
+    ckpt = dict(config=dataclasses.asdict(run.cfg), model=model_state(run), rng=rng, state=dataclasses.asdict(state),
+                data_order=run.data_order(state.epoch), world=run.world)
+    if run.ranks is None:
+        ckpt["optimizer"] = to_cpu(run.optimizer.state_dict())
+    else:
+        ckpt["optimizer"] = fsdp.optimizer_state(run.model, run.optimizer, run.ranks)
+        ckpt["rank_rng"] = fsdp.gather(rng)
+    if run.main:
+        atomic_save(ckpt, run.out_dir / "ckpt.pt")
+
+
+def read_checkpoint(run: Run) -> dict | None:
+    """The checkpoint --resume continues from, checked; None when there is none.
+
+    Raises:
+        ResumeError: the checkpoint was made with other settings, other training data or another
+            number of processes.
+    """
+    cfg, ckpt_path = run.cfg, run.out_dir / "ckpt.pt"
+    if not ckpt_path.exists():
+        print(f"--resume: no checkpoint in {run.out_dir}, starting fresh")
+        return None
+    ckpt = torch.load(ckpt_path, weights_only=False)
+    changed = [n for n in SAME_ON_RESUME if ckpt["config"].get(n) != getattr(cfg, n)]  # absent: an older run
+    if changed:
+        raise ResumeError(f"--resume: {changed} differ from the checkpoint in {ckpt_path}; use another --out-dir")
+    # Each rank has its own dropout stream (examples/fsdp.py): continuing exactly needs as many.
+    if ckpt.get("world", 1) != run.world:
+        raise ResumeError(f"--resume: the checkpoint in {ckpt_path} was written by {ckpt.get('world', 1)} "
+                          f"process(es), this run has {run.world}; resume with as many (or use another --out-dir)")
+    state = TrainState(**ckpt["state"])
+    if state.step_in_epoch and not np.array_equal(run.data_order(state.epoch), ckpt["data_order"]):
+        raise ResumeError(f"--resume: the training data differ from the checkpoint's ({len(run.windows)} windows "
+                          f"now, {len(ckpt['data_order'])} then); the run cannot continue exactly")
+    return ckpt
 
 
 def start_or_resume(run: Run) -> TrainState:
     """A fresh state, or with --resume the checkpoint's (model, optimizer and RNGs restored too).
 
+    With --fsdp rank 0 reads and checks the checkpoint and the other ranks get what they need from it.
+
     Raises:
-        ResumeError: the checkpoint was made with other settings or other training data.
+        ResumeError: see `read_checkpoint`.
     """
-    cfg, ckpt_path = run.cfg, run.out_dir / "ckpt.pt"
-    if not cfg.resume:
+    if not run.cfg.resume:
         return TrainState()
-    if not ckpt_path.exists():
-        print(f"--resume: no checkpoint in {run.out_dir}, starting fresh")
-        return TrainState()
-    ckpt = torch.load(ckpt_path, weights_only=False)
-    changed = [n for n in SAME_ON_RESUME if ckpt["config"].get(n) != getattr(cfg, n)]  # absent: an older run
-    if changed:
-        raise ResumeError(f"--resume: {changed} differ from the checkpoint in {ckpt_path}; use another --out-dir")
+    if run.ranks is None:
+        ckpt = read_checkpoint(run)
+        if ckpt is None:
+            return TrainState()
+        run.model.load_state_dict(ckpt["model"])
+        run.optimizer.load_state_dict(ckpt["optimizer"])
+        rng = ckpt["rng"]
+    else:
+        ckpt, error = None, None
+        if run.main:
+            try:
+                ckpt = read_checkpoint(run)
+            except ResumeError as e:
+                error = str(e)
+        found, error = fsdp.broadcast((ckpt is not None, error))  # every rank raises, or none
+        if error:
+            raise ResumeError(error)
+        if not found:
+            return TrainState()
+        fsdp.load_model_state(run.model, ckpt["model"] if run.main else {}, run.ranks)
+        fsdp.load_optimizer_state(run.model, run.optimizer, ckpt["optimizer"] if run.main else {}, run.ranks)
+        ckpt = fsdp.broadcast(dict(state=ckpt["state"], rank_rng=ckpt["rank_rng"]) if run.main else None)
+        rng = ckpt["rank_rng"][run.ranks.rank]
+    set_rng_states(rng, run.device)
     state = TrainState(**ckpt["state"])
-    if state.step_in_epoch and not np.array_equal(run.data_order(state.epoch), ckpt["data_order"]):
-        raise ResumeError(f"--resume: the training data differ from the checkpoint's ({len(run.windows)} windows "
-                          f"now, {len(ckpt['data_order'])} then); the run cannot continue exactly")
-    run.model.load_state_dict(ckpt["model"])
-    run.optimizer.load_state_dict(ckpt["optimizer"])
-    set_rng_states(ckpt["rng"], run.device)
-    print(f"resumed from {ckpt_path}: epoch {state.epoch}, step {state.step}")
+    if run.main:
+        print(f"resumed from {run.out_dir / 'ckpt.pt'}: epoch {state.epoch}, step {state.step}")
     return state
 
 
-def train_step(run: Run, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """One optimizer step on one batch; returns the loss."""
+def train_step(run: Run, batch: dict[str, torch.Tensor]) -> float:
+    """One optimizer step on one batch; returns the loss (--fsdp: of the global batch, the ranks' mean)."""
     if run.mesh is not None:
         shard(batch["inputs"], run.mesh, ("data", None))  # positions split over the data axis
-    loss = loss_of_batch(run.model, batch, run.cfg, run.pos_weight, run.mesh)
+    if run.ranks is not None:
+        batch = fsdp.local_rows(batch, run.ranks)  # this rank's rows of the global batch
+    loss = loss_of_batch(run.model, batch, run.cfg, run.pos_weight, run.mesh, run.ranks)
     run.optimizer.zero_grad(set_to_none=True)
     loss.backward()
     run.optimizer.step()
     sync(run.device)
-    return loss
+    return loss.item() if run.ranks is None else fsdp.mean_over_ranks(loss)
 
 
 def train_one_epoch(run: Run, state: TrainState, after_step: Callable[[int], None] | None) -> None:
@@ -259,15 +338,14 @@ def train_one_epoch(run: Run, state: TrainState, after_step: Callable[[int], Non
     order = run.data_order(state.epoch)
     run.model.train()
     bar = tqdm(total=run.steps_per_epoch, initial=state.step_in_epoch, desc=f"epoch {state.epoch}", disable=None,
-               mininterval=1.0, leave=False)
+               mininterval=1.0, leave=False) if run.main else tqdm(disable=True)
     while state.step_in_epoch < run.steps_per_epoch:
         t0 = time.time()
         i = state.step_in_epoch
         rows = order[i * cfg.batch_size:(i + 1) * cfg.batch_size]
         users = None if run.users is None else run.users[rows]
         batch = make_batch(run.windows[rows], cfg, run.model, state.step, users, run.sampler)
-        loss = train_step(run, {name: t.to(run.device) for name, t in batch.items()})
-        state.losses.append(loss.item())
+        state.losses.append(train_step(run, {name: t.to(run.device) for name, t in batch.items()}))
         state.step_in_epoch += 1
         state.step += 1
         state.positions += cfg.batch_size * cfg.max_len
@@ -290,17 +368,29 @@ def validate(run: Run, state: TrainState) -> dict[str, float]:
     Keeps the best model so far in best.pt and counts epochs without improvement for --patience.
     """
     run.model.eval()
-    val = evaluate(model_query(run.model), run.ds, run.cfg.holdout, "val", device=run.device, **run.eval_kwargs)
+    val = evaluate_model(run, "val")
     epoch_losses = state.losses[len(state.losses) - state.step_in_epoch:]
     train_loss = float(np.mean(epoch_losses)) if epoch_losses else float("nan")
     state.val.append(dict(epoch=state.epoch, step=state.step, train_loss=train_loss, **val))
     if val["NDCG@10"] > state.best_ndcg:
         state.best_ndcg, state.best_epoch, state.bad_epochs = val["NDCG@10"], state.epoch, 0
-        atomic_save(dict(epoch=state.epoch, val=val, model=to_cpu(run.model.state_dict())), run.out_dir / "best.pt")
+        best = dict(epoch=state.epoch, val=val, model=model_state(run))
+        if run.main:
+            atomic_save(best, run.out_dir / "best.pt")
     else:
         state.bad_epochs += 1
         state.done |= bool(run.cfg.patience) and state.bad_epochs >= run.cfg.patience
     return val
+
+
+def evaluate_model(run: Run, stage: str) -> dict[str, float]:
+    """Full-catalog metrics of the model. --fsdp: every rank ranks every user against the gathered
+    table (the same computation as one process); rank 0's metrics are every rank's, so that model
+    selection and --patience decide alike everywhere."""
+    if run.ranks is None:
+        return evaluate(model_query(run.model), run.ds, run.cfg.holdout, stage, device=run.device, **run.eval_kwargs)
+    metrics = evaluate(fsdp.query(run.model), run.ds, run.cfg.holdout, stage, device=run.device, **run.eval_kwargs)
+    return fsdp.broadcast(metrics)
 
 
 def test_and_report(run: Run, state: TrainState, t_start: float) -> dict:
@@ -308,10 +398,10 @@ def test_and_report(run: Run, state: TrainState, t_start: float) -> dict:
     cfg, ds = run.cfg, run.ds
     final = dict(parameter_stats(run.model), adam=adam_scale(run.model, run.optimizer, cfg.adam_eps))
     best_path = run.out_dir / "best.pt"
-    if best_path.exists():
-        run.model.load_state_dict(torch.load(best_path, weights_only=False)["model"])
+    if best_path.exists() if run.ranks is None else fsdp.broadcast(best_path.exists()):  # rank 0's file
+        load_model_state(run, torch.load(best_path, weights_only=False)["model"] if run.main else {})
     run.model.eval()
-    test = evaluate(model_query(run.model), ds, cfg.holdout, "test", device=run.device, **run.eval_kwargs)
+    test = evaluate_model(run, "test")
     popularity = {stage: evaluate(popularity_query(ds, cfg.holdout, stage), ds, cfg.holdout, stage, **run.eval_kwargs)
                   for stage in ("val", "test")}
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -329,6 +419,8 @@ def test_and_report(run: Run, state: TrainState, t_start: float) -> dict:
         cpu_s=usage.ru_utime + usage.ru_stime,  # all threads; less sensitive than wall_s to other load
         wall_s=time.time() - t_start,
     )
+    if not run.main:
+        return result
     (run.out_dir / "metrics.json").write_text(json.dumps(result, indent=2))
     plot_curves(state, popularity["val"], run.out_dir / "curves.png")
     print(f"test  ({cfg.model}, {cfg.loss}, best epoch {state.best_epoch}): {format_metrics(test)}")
@@ -351,10 +443,16 @@ def summary(values: torch.Tensor) -> dict[str, float]:
 
 
 def parameter_stats(model) -> dict:
-    """What the item bias and the item table learned: the bias's spread and the table's row norms."""
-    stats = dict(item_row_norm=summary(model.item_weight.norm(dim=1)))
-    if model.item_bias is not None:
-        stats["item_bias"] = summary(model.item_bias)
+    """What the item bias and the item table learned: the bias's spread and the table's row norms.
+
+    With --fsdp (a sharded model) the table is gathered: every rank must call it."""
+    if fsdp.is_sharded(model):
+        item_weight, item_bias = fsdp.item_table(model)
+    else:
+        item_weight, item_bias = model.item_weight, model.item_bias
+    stats = dict(item_row_norm=summary(item_weight.norm(dim=1)))
+    if item_bias is not None:
+        stats["item_bias"] = summary(item_bias)
     return stats
 
 
@@ -375,9 +473,12 @@ def adam_scale(model, optimizer, eps: float) -> dict:
         if not state:
             continue
         beta2 = optimizer.param_groups[0]["betas"][1]
-        rms = (state["exp_avg_sq"].detach().cpu().double() / (1 - beta2 ** float(state["step"]))).sqrt()
-        group = {"item_bias": "item_bias", "item_emb.weight": "item_table"}.get(name, "other")
-        groups[group].append(rms[item_rows] if group == "item_table" else rms)
+        exp_avg_sq = fsdp.whole(state["exp_avg_sq"])  # --fsdp: gathered (every rank calls it, in one order)
+        rms = (exp_avg_sq.detach().cpu().double() / (1 - beta2 ** float(fsdp.whole(state["step"])))).sqrt()
+        # --fsdp keeps the bias with the table, rows 1..V (examples/fsdp.py)
+        group = {"item_bias": "item_bias", "item_emb.bias": "item_bias", "item_emb.weight": "item_table"}.get(
+            name, "other")
+        groups[group].append(rms[item_rows] if name.startswith("item_emb.") else rms)
     return {group: dict(median_sqrt_v=float(torch.cat([r.flatten() for r in rms]).median()),
                         below_eps=float(torch.cat([(r < eps).flatten() for r in rms]).double().mean()))
             for group, rms in groups.items() if rms}
@@ -426,27 +527,35 @@ def train(cfg: TrainConfig, *, after_step: Callable[[int], None] | None = None) 
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     mesh = make_mesh(cfg.mesh)  # before any XLA tensor exists: SPMD must be on first
-    device = get_device(cfg.device)
+    started = cfg.fsdp and not fsdp.dist.is_initialized()
+    ranks = fsdp.start() if cfg.fsdp else None  # the process group of torchrun's processes
+    device = get_device(cfg.device) if ranks is None else ranks.device
 
     ds, windows, exclude_seen = load_data(cfg)
-    model, optimizer, pos_weight = build_model(cfg, ds.num_items, device, mesh)
-    run = Run(cfg, ds, windows, exclude_seen, device, mesh, model, optimizer, pos_weight, out_dir)
+    model, optimizer, pos_weight = build_model(cfg, ds.num_items, device, mesh, ranks)
+    run = Run(cfg, ds, windows, exclude_seen, device, mesh, model, optimizer, pos_weight, out_dir, ranks=ranks)
     if cfg.loss == "sampled":
         run.users, run.sampler = data.window_users(ds, cfg.holdout, cfg.max_len), data.NegativeSampler(ds, cfg.holdout)
-    print(f"{ds.name}: {ds.num_users} users, {ds.num_items} items, {len(ds.items)} events, "
-          f"{len(windows)} training windows of {cfg.max_len}, {run.steps_per_epoch} steps/epoch, "
-          f"exclude_seen={exclude_seen}")
+    if run.main:
+        print(f"{ds.name}: {ds.num_users} users, {ds.num_items} items, {len(ds.items)} events, "
+              f"{len(windows)} training windows of {cfg.max_len}, {run.steps_per_epoch} steps/epoch, "
+              f"exclude_seen={exclude_seen}" + (f", {run.world} ranks (FSDP2) on {device.type}" if ranks else ""))
 
     state = start_or_resume(run)
     while state.epoch < cfg.epochs and not state.done:
         train_one_epoch(run, state, after_step)
         val = validate(run, state)
-        print(f"epoch {state.epoch:3d} | loss {state.val[-1]['train_loss']:.6f} | val {format_metrics(val)} | "
-              f"best epoch {state.best_epoch} | {state.positions_per_s():.0f} pos/s | {time.time() - t_start:.0f}s")
+        if run.main:
+            print(f"epoch {state.epoch:3d} | loss {state.val[-1]['train_loss']:.6f} | val {format_metrics(val)} | "
+                  f"best epoch {state.best_epoch} | {state.positions_per_s():.0f} pos/s | "
+                  f"{time.time() - t_start:.0f}s")
         state.epoch += 1
         state.step_in_epoch = 0
         save_checkpoint(run, state)
-    return test_and_report(run, state, t_start)
+    result = test_and_report(run, state, t_start)
+    if started:
+        fsdp.stop()
+    return result
 
 
 # ----------------------------------------------------------------------------- command line
@@ -457,7 +566,9 @@ def main(argv=None) -> int:
     try:
         train(cfg)
     except ResumeError as error:
-        print(f"examples/train.py: error: {error}", file=sys.stderr)
+        if fsdp.is_main():
+            print(f"examples/train.py: error: {error}", file=sys.stderr)
+        fsdp.stop(barrier=False)
         return 2
     return 0
 

@@ -69,7 +69,7 @@ def cut_bce(
         input, or of `jax.set_mesh`. None (default): one device. Works eagerly and under `jit`.
       vocab_axis, data_axis: mesh axis names (or tuples of names); None keeps the table whole /
         replicates the positions. They must not share an axis. Padding and collectives:
-        examples/sharded_note.md.
+        docs/distributed.md.
       num_items: the catalog size V when `item_weight` has padding rows after it (a table sharded
         along V needs a row count the shards divide: 876,939 items on 4 shards are 876,940 rows):
         the extra rows get no loss and a zero gradient, 'mean' divides by N x num_items, and ids

@@ -7,7 +7,7 @@ vocab axis, the table's gradients over the data axis: a few collectives per call
 loop, and the table is never gathered. Uneven sizes are padded and made inert. The shard_map runs
 over Auto axes; a mesh with Explicit axes (jax >= 0.8.1's default) runs it inside `auto_axes`
 (`run_on_auto_axes`). `sharded_forward` / `sharded_backward` / `sharded_value_and_grad` mirror
-`core`'s functions for torch_xla's `call_jax` over an `AbstractMesh`. Usage: examples/sharded_note.md.
+`core`'s functions for torch_xla's `call_jax` over an `AbstractMesh`. Usage: docs/distributed.md.
 """
 
 from __future__ import annotations

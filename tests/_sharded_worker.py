@@ -56,7 +56,7 @@ CASES = {
     "2x4_explicit_data_auto_model": _case((2, 4), DATA_MODEL, axis_types=("explicit", "auto")),
 }
 # mesh='infer' on inputs placed as a user holds them, on a mesh of each axis type (run_hlo and
-# run_tpu_export take jax.make_mesh's default, as examples/sharded_note.md builds the mesh).
+# run_tpu_export take jax.make_mesh's default, as docs/distributed.md builds the mesh).
 INFERENCE_AXIS_TYPES = ("auto", "explicit")
 # Compiled-HLO check: 2 x 4 mesh, V = 4096 (1024 items per shard), block_v 64 (16 tiles) vs 512 (2).
 HLO_BLOCKS = (64, 512)

@@ -11,7 +11,7 @@ Embedding is a `[V, D]` table by design) and must hold exactly, in this order:
     all_gather      targets  [n, L]    -> [P n, L]
     cutbce_tpu::rows           hidden [P n, D], the LOCAL table [V_r, D], bias [V_r]
     reduce_scatter  rows (and counts)  [P n, 1 or 5] -> [n, 1 or 5]
-    all_gather      the rows' gradient [n, 1 or 5]   -> [P n, 1 or 5]
+    all_gather      the rows' gradient [n]          -> [P n]
     cutbce_tpu::rows_backward  -> d_hidden [P n, D], d_table [V_r, D], d_bias [V_r]
     reduce_scatter  d_hidden [P n, D]  -> [n, D]
 

@@ -6,7 +6,7 @@ on its slice, keeping the ids in its slice as positives, and the rows are summed
 Megatron's conjugate regions, "copy" where the hidden states enter (all_reduce of `d_hidden` in
 the backward), "reduce" where the rows leave (one all_reduce of rows and counts in the forward).
 Every rank gets the same loss, metrics and `d_hidden`, and gradients for its own rows only.
-Usage and caveats: examples/sharded_note.md.
+Usage and caveats: docs/distributed.md.
 """
 
 from __future__ import annotations
