@@ -14,7 +14,11 @@ The fakes are the table's shape rules, not `jax_op`'s default (which exports per
 symbolic shapes), so `torch.compile` with dynamic N works; the tests check they agree with the
 export. The impl is decided for a TPU ('auto': Pallas for float32 / bfloat16), whatever the host.
 No mesh: `jax_op` fixes a mesh at registration and TorchTPU builds one only with torch.distributed
-initialised on TPU devices (`get_pallas_mesh`), so `mesh=` stays the torch_xla bridge's.
+initialised on TPU devices (`get_pallas_mesh`, whole-world only), so `mesh=` stays the torch_xla
+bridge's. Several chips go through torch.distributed instead: with DTensor arguments (an FSDP2
+table) `torch_cutbce/distributed.py` runs these per-chip ops on each chip's rows and positions, the
+collectives on TorchTPU's `tpu_dist` (docs/distributed.md; traced off a TPU by
+tests/test_torch_tpu_dtensor.py).
 """
 
 from __future__ import annotations
