@@ -52,10 +52,6 @@ from torch_cutbce.arguments import check_ids_below_vocab
 from torch_cutbce.positives import accumulation_dtype
 from torch_cutbce.vocab_parallel import CopyToRanks, SumOverRanks
 
-_POSITION_NAMES = ("hidden", "targets", "weight")
-_TABLE_NAMES = ("item_weight", "bias", "class_weight", "pos_weight")
-
-
 @functools.lru_cache(maxsize=None)
 def _dtensor_type():
     """`DTensor`, or None where torch.distributed is not built (imported on first use: it costs)."""
@@ -115,7 +111,7 @@ class Layout:
     def shard_group(self):
         return self.mesh.get_group(self.shard_dim)
 
-    def _table_grad_groups(self):
+    def table_grad_groups(self):
         """The mesh groups the table's gradient is summed over (local positions): every dimension
         the table is replicated over."""
         return [self.mesh.get_group(d) for d in range(self.mesh.ndim) if d != self.shard_dim]
@@ -227,7 +223,7 @@ def localize(layout: Layout, hidden, item_weight, targets, bias, weight, class_w
         # The mean over the data-parallel ranks (module docstring): sum over the mesh dimensions the
         # table is replicated over (its shard group's sum happens in the rows' backward), / world,
         # or / the divide factor FSDP2 was given for this table.
-        groups, divisor = layout._table_grad_groups(), gradient_divide_factor(table, layout.mesh.size())
+        groups, divisor = layout.table_grad_groups(), gradient_divide_factor(table, layout.mesh.size())
         item_weight = _TableGradMean.apply(item_weight, groups, divisor)
         if bias is not None:
             bias = _TableGradMean.apply(bias, groups, divisor)
