@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # The core install, checked on its own, from the sdist a release would ship:
-#   1. a second environment, .venv-core at the repository root (never .venv): torch 2.13.0 CPU and
-#      numpy only -- no jax, no torch_xla, no example extras -- plus the test extra;
+#   1. a second environment, .venv-core at the repository root (never .venv): torch 2.14.1, the top
+#      of the package's torch bound, and numpy only -- no jax, no torch_xla, no example extras -- plus
+#      the test extra;
 #   2. `python -m build --sdist` of this checkout, installed into it with the test extra only;
 #   3. the sdist's own tests/, run from the unpacked sdist with its source folders removed, so every
 #      import of torch_cutbce is the installed package.
 # The run fails on any error or failure: what the core install lacks must be skipped, with a reason
-# (`pytest -rs` lists them). torch 2.13.0 is a release other than .venv's 2.9.0; its CPU wheel lies
-# on this machine's disk (/opt/wheels), so building the environment downloads only numpy, pytest,
-# hypothesis, setuptools and build.
+# (`pytest -rs` lists them). torch 2.14.1 is the newest release pip takes on these machines (a
+# constraints file caps it), and the other end of the range from .venv's 2.9.0 (.venv-tpu tests
+# 2.13.0). Its wheel lies on this machine's disk: a CUDA build (about 5.5 GB installed), which runs
+# on the CPU; building the environment downloads only numpy, pytest, hypothesis, setuptools and build.
 #
 #   bash ci/core_only.sh            # build or reuse .venv-core, build the sdist, run its tests
 #   bash ci/core_only.sh -k bad     # extra arguments go to pytest
@@ -18,7 +20,7 @@ root=$PWD
 PY=${PYTHON:-python3.11}
 venv=$root/.venv-core
 stamp=$venv/.cutbce-core-stamp
-core_torch=torch==2.13.0
+core_torch=torch==2.14.1
 want=$( (cat pyproject.toml ci/constraints.txt; echo "$core_torch") | sha256sum | cut -d' ' -f1)
 
 pip_quiet() {
@@ -33,7 +35,7 @@ trap 'rm -rf "$work" "$constraints"' EXIT
 grep -v -E '^(torch|torch_xla|jax|jaxlib|flax)==' ci/constraints.txt > "$constraints"
 
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  echo "[core-only] building .venv-core (torch 2.13.0 CPU, numpy, the test extra; no jax, no torch_xla)" >&2
+  echo "[core-only] building .venv-core (torch 2.14.1, numpy, the test extra; no jax, no torch_xla)" >&2
   rm -rf "$venv"
   "$PY" -m venv "$venv"
   wheels=()

@@ -42,7 +42,6 @@ Collectives (P ranks in the table's shard group, n_max the most positions a rank
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 import torch.distributed as dist
@@ -52,19 +51,15 @@ from torch_cutbce.arguments import check_ids_below_vocab
 from torch_cutbce.positives import accumulation_dtype
 from torch_cutbce.vocab_parallel import CopyToRanks, SumOverRanks
 
-@functools.lru_cache(maxsize=None)
-def _dtensor_type():
-    """`DTensor`, or None where torch.distributed is not built (imported on first use: it costs)."""
-    if not dist.is_available():
-        return None
+# At import (about 60 ms): a cached lazy import would be a call dynamo warns about under torch.compile.
+if dist.is_available():
     from torch.distributed.tensor import DTensor
-
-    return DTensor
+else:  # torch built without torch.distributed: no DTensor can reach the loss
+    DTensor = None
 
 
 def is_dtensor(x) -> bool:
-    cls = _dtensor_type()
-    return cls is not None and isinstance(x, cls)
+    return DTensor is not None and isinstance(x, DTensor)
 
 
 def _describe(x) -> str:
