@@ -68,7 +68,7 @@ def time_shape(shape, provider_names, modes, repeats, budget_bytes):
             case.step()
             rows[key]["times"].append(time.perf_counter() - start)
     floor = {m: statistics.median(rows[("mm_floor", m)]["times"]) for m in modes if ("mm_floor", m) in cases}
-    for (name, mode), row in rows.items():
+    for (_name, mode), row in rows.items():
         times = row.pop("times", None)
         if not times:
             continue

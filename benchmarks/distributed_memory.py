@@ -440,7 +440,7 @@ def render(args, stamp, main_rows, sweep_rows) -> str:
 
     lines += ["", f"## The collectives of one step, rank 0, P = 2, V = {v:,}", "",
               "| variant | issued by | c10d op | bytes each | count |", "|---|---|---|---:|---:|"]
-    for world, variant, j, s in main_rows:
+    for world, variant, _, s in main_rows:
         if world != 2 or s["status"] != "ok":
             continue
         for source, op, size, count in s["ops"]:

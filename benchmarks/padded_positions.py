@@ -31,8 +31,6 @@ def make_batch(batch, length, num_items, hidden_size, padded_fraction, seed=0):
 
 
 def variants(hidden, items, targets, mask):
-    import torch
-
     from torch_cutbce import cut_bce_with_logits, functional
 
     real = mask.reshape(-1) > 0

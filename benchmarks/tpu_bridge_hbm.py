@@ -61,7 +61,7 @@ def _compile(fn, args, topology_name: str) -> dict:
     start = time.perf_counter()
     try:
         stats = jax.jit(fn).lower(*placed).compile().memory_analysis()
-    except Exception as e:  # noqa: BLE001: a failed compile is a result to record
+    except Exception as e:  # noqa: BLE001 (a failed compile is a result to record)
         error = f"{type(e).__name__}: {e}"[:500]
         return dict(status="error", error=error, seconds=round(time.perf_counter() - start, 2))
     return dict(status="ok", error="", seconds=round(time.perf_counter() - start, 2),

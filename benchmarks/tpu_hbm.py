@@ -228,7 +228,7 @@ def compile_cell(cell: Cell) -> dict:
     kernels = dict(kernels_sha=kernels_sha(), versions=versions())
     try:
         mesh, structs = input_structs(cell)
-    except Exception as e:  # noqa: BLE001: reported like a failed compile
+    except Exception as e:  # noqa: BLE001 (reported like a failed compile)
         structs, result = None, tpu_compile.CompileResult(cell.chip, f"{type(e).__name__}: {e}", 0.0)
     if structs is not None:
         result = tpu_compile.compile_for(cell.topology, training_step(cell, mesh), *structs)

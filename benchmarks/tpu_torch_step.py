@@ -182,7 +182,6 @@ def step_loss(cell: Cell, model, batch, mesh):
 def trace(cell: Cell, out_dir: Path) -> None:
     """Stage one training step and write its HLO (step.pb) and what the compile needs (step.json)."""
     import numpy as np
-    import torch
     import torch_xla
     import torch_xla.runtime as xr
 
@@ -279,7 +278,7 @@ def compile_step(cell: Cell, out_dir: Path, xla_dump_to: str | None = None) -> d
                                                device_assignment=np.array(devices).reshape(1, cell.chips),
                                                env_options_overrides=dump)
         stats = devices[0].client.compile(bytecode, xla_client.DeviceList(devices), options).get_compiled_memory_stats()
-    except Exception as e:  # noqa: BLE001: a step that does not fit is a result, with the compiler's words
+    except Exception as e:  # noqa: BLE001 (a step that does not fit is a result, with the compiler's words)
         return dict(error=f"{type(e).__name__}: {e}", compile_seconds=time.perf_counter() - start)
     sizes = tpu_compile.memory_bytes(stats)
     peak = sizes["argument_bytes"] + sizes["output_bytes"] - sizes["alias_bytes"] + sizes["temp_bytes"] + sizes["code_bytes"]

@@ -6,6 +6,7 @@
 #                     torch_xla): it must pass or skip every test;
 #   ci/jax_newest.sh  the JAX suite on the newest JAX of the [jax] range, Python 3.12 (.venv-jax);
 #   ci/torch_tpu.sh   the TorchTPU bridge's checks: torch 2.13, torch_tpu, jax 0.10.2, libtpu (.venv-tpu).
+# The full run starts with the linter (ruff, configured in pyproject.toml).
 # Arguments go to pytest and run only the main suite, in one process:
 #   bash ci/test.sh tests/test_torch_native.py -k mean
 # The full run spreads whole test files over the CPU cores (pytest-xdist, `--dist loadfile`: a file's
@@ -18,6 +19,7 @@ pytest=(.venv/bin/python -m pytest -q -p no:cacheprovider --durations=15)
 if [ "$#" -gt 0 ]; then
   exec "${pytest[@]}" "$@"
 fi
+.venv/bin/ruff check .  # the linter first ([tool.ruff] in pyproject.toml): seconds, and it names the line
 "${pytest[@]}" -n "${CUTBCE_TEST_WORKERS:-auto}" --dist loadfile tests
 time bash ci/core_only.sh
 time bash ci/jax_newest.sh

@@ -131,9 +131,9 @@ def jax_results(example: Example, *, jit: bool, inputs=None, options=None, varia
 
         step = jax.jit(step) if jit else step
         runs = []
-        for ids in [ids] if variants is None else variants:
-            if jit or isinstance(ids, (AsDtype, AsList)):
-                ids = _jax_argument(ids, example.spec.dtype)
-            loss, metrics, grads = step(diff, ids, jax.numpy.asarray(example.upstream))
+        for variant in [ids] if variants is None else variants:
+            if jit or isinstance(variant, (AsDtype, AsList)):
+                variant = _jax_argument(variant, example.spec.dtype)
+            loss, metrics, grads = step(diff, variant, jax.numpy.asarray(example.upstream))
             runs.append(_results(loss, metrics, {f"d_{k}": g for k, g in grads.items()}))
         return runs[0] if variants is None else runs

@@ -141,7 +141,6 @@ def _every_reduction(loss_fn, inputs, options, reductions=REDUCTIONS, impl="bloc
 def run_cases(names):
     import functools
 
-    import jax
     import numpy as np
 
     import jax_kernels

@@ -34,14 +34,14 @@ import sys
 import numpy as np
 import torch
 import torch_xla
-import torch_xla.core.xla_builder as xb
+import torch_xla.core.xla_builder as xb  # noqa: F401 (before jax: torch_xla's JAX interop)
 import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 from torch_xla._internal.jax_workarounds import jax_import_guard
 
 jax_import_guard()
 
-import jax  # noqa: E402
+import jax  # noqa: E402, F401 (imported after torch_xla, as call_jax needs)
 
 from torch_cutbce import xla_bridge  # noqa: E402
 

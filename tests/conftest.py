@@ -27,6 +27,13 @@ import pytest
 
 # marker -> (the module it needs, the extra that installs it)
 OPTIONAL = {"jax": ("jax", "jax"), "xla": ("torch_xla", "xla")}
+# `bash ci/test.sh -m fast`: the files that check the core in-process in seconds each (the oracle,
+# both frameworks' engines against it, bad inputs, options, the repository's rules), for a check
+# while editing; the full run is CI's.
+FAST_MODULES = {
+    "test_reference.py", "test_branch_math.py", "test_neutral_options.py", "test_torch_native.py",
+    "test_all_bad_input.py", "test_repo_hygiene.py", "test_repo_layout.py",
+}
 
 
 def installed(module: str) -> bool:
@@ -45,6 +52,8 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     missing = {marker: (module, extra) for marker, (module, extra) in OPTIONAL.items() if not installed(module)}
     for item in items:
+        if item.path.name in FAST_MODULES:
+            item.add_marker(pytest.mark.fast)
         for marker, (module, extra) in missing.items():
             if item.get_closest_marker(marker):
                 item.add_marker(pytest.mark.skip(reason=f"needs {module}: pip install 'torch-cutbce[{extra}]'"))

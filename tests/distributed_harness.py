@@ -48,5 +48,5 @@ def run_ranks(world: int, program, *args) -> list:
                 # 10 of the core-only check): run once more, so a second abort still fails.
                 if attempt == 2 or error.signal_name != "SIGABRT":
                     raise
-                warnings.warn(f"a rank aborted ({error}); running the ranks again")
+                warnings.warn(f"a rank aborted ({error}); running the ranks again", stacklevel=2)
         return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]

@@ -4,7 +4,7 @@ torch_xla: `_sharded_xla_worker.py` runs in a subprocess (PJRT_DEVICE=CPU, CPU_N
 `use_spmd()` before any XLA tensor exists) and reports relative errors against the native path and
 facts read from the partitioned HLO, for the existing bridge and for the proposed sharded bridge.
 
-torch.distributed: three gloo ranks (torch.multiprocessing.spawn), each holding an uneven slice of
+torch.distributed: three gloo ranks (tests/distributed_harness.py), each holding an uneven slice of
 a V = 301 table, against the single-process native path on the whole table.
 """
 
@@ -14,16 +14,14 @@ import json
 import os
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import torch_cutbce as tc
+from distributed_harness import run_ranks
 from parity import TOLERANCES, assert_close, make_inputs, make_upstream, run_torch, select
 from torch_cutbce.vocab_parallel import VocabParallelOptions
 
@@ -174,40 +172,17 @@ def _loss_and_grads(loss_fn, inputs, rows):
     return out
 
 
-def _rank_main(rank, init_file, out_dir):
-    # Each rank is a fresh process: the eager tile functions spare it a torch.compile of its own.
-    os.environ["TORCH_CUTBCE_NO_COMPILE"] = "1"
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    try:
-        torch.set_num_threads(1)
-        options = VocabParallelOptions.even(V)
-        loss_fn = lambda *a, **k: tc.cut_bce_with_logits(*a, vocab_parallel=options, **k)
-        result = _loss_and_grads(loss_fn, _inputs(), slice(options.start, options.stop))
-        torch.save({"options": (options.start, options.stop), "result": result}, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()  # no rank tears gloo down while another still talks to it
-    finally:
-        dist.destroy_process_group()
-    # Leave without the interpreter's teardown: under torch 2.13 a rank sometimes aborted there
-    # ("terminate called without an active exception", a joinable std::thread destroyed; 1 run in
-    # about 10 of the core-only check), after its results were saved. mp.spawn sees exit code 0.
-    os._exit(0)
+def vocab_parallel_program(rank, world):
+    """One rank's results with its even slice of the table (run by tests/distributed_harness.py)."""
+    options = VocabParallelOptions.even(V)
+    loss_fn = lambda *a, **k: tc.cut_bce_with_logits(*a, vocab_parallel=options, **k)
+    return {"options": (options.start, options.stop),
+            "result": _loss_and_grads(loss_fn, _inputs(), slice(options.start, options.stop))}
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("vocab_parallel")
-    for attempt in (1, 2):
-        try:
-            mp.spawn(_rank_main, args=(str(tmp / f"init{attempt}"), str(tmp)), nprocs=WORLD, join=True)
-            break
-        except mp.ProcessExitedException as error:
-            # torch 2.13's gloo ranks have aborted now and then (SIGABRT, "terminate called without
-            # an active exception"; about 1 core-only run in 10, never reproduced alone): run the
-            # ranks once more, so a second abort, or any other failure, still fails the tests.
-            if attempt == 2 or error.signal_name != "SIGABRT":
-                raise
-            warnings.warn(f"a vocab-parallel rank aborted ({error}); running the ranks again")
-    return [torch.load(tmp / f"rank{r}.pt") for r in range(WORLD)]
+def ranks():
+    return run_ranks(WORLD, vocab_parallel_program)
 
 
 def test_even_split_covers_the_table(ranks):

@@ -41,7 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 import torch_cutbce as tc  # noqa: E402
 from jax_kernels.neutral.focal import Focal  # noqa: E402
 from jax_kernels.neutral.options import CutBCEOptions  # noqa: E402
-from torch_cutbce import bridge_ops, tpu_bridge  # noqa: E402
+from torch_cutbce import tpu_bridge  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 N, V, D, L = 16, 256, 128, 3

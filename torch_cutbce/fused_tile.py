@@ -408,7 +408,7 @@ def _run_compiled(name: str, z: torch.Tensor, *args, announce: bool = True):
         _compile_failed = True
         warnings.warn(f"torch_cutbce: torch.compile of the tile function failed ({error!r}); "
                       f"using eager tiles from now on (set TORCH_CUTBCE_NO_COMPILE=1 to skip the attempt)",
-                      TileCompileWarning)
+                      TileCompileWarning, stacklevel=2)
         return _EAGER[name](z, *args)
     if first:
         _compile_seconds[name] = time.perf_counter() - start

@@ -39,7 +39,7 @@ def _ffi_registered() -> bool:
         lib = _ffi_library()
     except cpu_tile_build.BuildError as error:
         warnings.warn(f"jax_kernels: the CPU tile kernel could not be built ({error}); using jnp tiles",
-                      tile_choice.TileChoiceWarning)
+                      tile_choice.TileChoiceWarning, stacklevel=2)
         return False
     for name in cpu_tile_build.FFI_SYMBOLS:
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
