@@ -48,6 +48,8 @@ CASES = {  # name: (table layout, positions layout, reduction, dtype, focal)
     "hidden-replicate-none": ("shard", "replicate", "none", "float32", None),
     "hsdp-mean": ("hsdp", "plain", "mean", "float32", None),  # 4 ranks: 2 replicas x 2 shards
     "plain-constants-sum": ("shard", "plain", "sum", "float32", None),  # class/pos weight plain [V]
+    "dense-backend-none": ("shard", "plain", "none", "float32", None),  # backend='dense' per rank
+    "module-mean": ("shard", "plain", "mean", "float32", FOCAL),  # CutBCEWithLogitsLoss
 }
 
 
@@ -95,10 +97,18 @@ def run_case(rank: int, world: int, name: str, mesh) -> dict:
         pos = {k: DTensor.from_local(v, mesh, [Replicate()], run_check=False) for k, v in pos.items()}
     leaves = {k: tab[k].detach().requires_grad_(True) for k in ("item_weight", "bias")}
     leaves |= {k: pos[k].detach().requires_grad_(True) for k in ("hidden", "weight")}
-    loss, metrics = tc.cut_bce_with_logits(
-        leaves["hidden"], leaves["item_weight"], pos["targets"], leaves["bias"], weight=leaves["weight"],
-        class_weight=tab["class_weight"], pos_weight=tab["pos_weight"], reduction=reduction,
-        return_metrics=True, block_v=16, focal=focal)
+    if name.startswith("module"):  # the nn.Module, its weights buffers (plain [V]: each rank its rows)
+        loss_fn = tc.CutBCEWithLogitsLoss(reduction, pos_weight=tab["pos_weight"].full_tensor(),
+                                          class_weight=tab["class_weight"].full_tensor(), return_metrics=True,
+                                          block_v=16, focal=focal)
+        loss, metrics = loss_fn(leaves["hidden"], leaves["item_weight"], pos["targets"], leaves["bias"],
+                                weight=leaves["weight"])
+    else:
+        loss, metrics = tc.cut_bce_with_logits(
+            leaves["hidden"], leaves["item_weight"], pos["targets"], leaves["bias"], weight=leaves["weight"],
+            class_weight=tab["class_weight"], pos_weight=tab["pos_weight"], reduction=reduction,
+            return_metrics=True, block_v=16, focal=focal,
+            backend="dense" if name.startswith("dense-backend") else "auto")
     g = upstream(source, reduction).to(loss.dtype)
     if isinstance(loss, DTensor):
         raise AssertionError("the loss must be this rank's plain tensor")
