@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 import exact_rows_cases
-from jax_kernels.neutral.focal import Focal
+from jax_kernels.neutral.focal import MAX_GAMMA, MIN_GAMMA, Focal
 from parity import GRADS, OPTIONAL, TOLERANCES, assert_close, make_inputs, make_upstream, run_jax, run_torch, select
 
 TESTS = Path(__file__).resolve().parent
@@ -160,6 +160,21 @@ def test_matches_the_float64_oracle(engine, dtype, focal, reduction):
         assert_close(fast, same_dtype, truth, dtype=dtype, name=name)
     else:
         assert_close(fast, truth, dtype=dtype, name=name)
+
+
+@pytest.mark.parametrize("focal", [Focal(MAX_GAMMA), Focal(MIN_GAMMA), Focal(MIN_GAMMA + 1.0, 0.25, True)], ids=case_id)
+@pytest.mark.parametrize("engine", engines("torch-native", "torch-dense", "jax-blocked", "jax-pallas"))
+@pytest.mark.parametrize("reduction", ["none"])  # rows and the recomputing backward: every branch-math call
+def test_gammas_at_the_bounds_match_the_oracle(engine, focal, reduction):
+    """Issue 31: a gamma float32 could not hold gave NaN rows (`Focal(1e39)`: [nan, nan, 0] where the
+    truth is [0, 0, 0]); those are refused now, and the largest and the smallest gamma taken (with a
+    fraction of 2**-126, which float32 rounds away) meet the oracle, loss and gradients."""
+    inputs = _inputs(3, "float32")
+    upstream = make_upstream(reduction, LEAD, seed=3, dtype="float32")
+    common = dict(upstream=upstream, reduction=reduction, focal=focal)
+    fast = run(engine, inputs, dtype="float32", **common)
+    assert all(np.isfinite(np.asarray(v)).all() for v in fast.values()), {k: v for k, v in fast.items()}
+    assert_close(fast, oracle(engine, inputs, **common), dtype="float32", name=f"{engine} {focal} {reduction}")
 
 
 @pytest.mark.parametrize("focal", [Focal(0.5, 0.25, True), Focal(3.0)], ids=case_id)
@@ -312,6 +327,13 @@ def test_matches_torchvision_sigmoid_focal_loss(gamma, alpha):
 @pytest.mark.rung1
 @pytest.mark.parametrize("kwargs,error,match", [
     (dict(gamma=-1.0), ValueError, "focal gamma must be >= 0"),
+    # Issue 31: gammas float32 cannot hold gave NaN, and large ones unrolled huge compiled tiles.
+    (dict(gamma=1e39), ValueError, "focal gamma must be at most 32"),
+    (dict(gamma=1e4), ValueError, "focal gamma must be at most 32"),
+    (dict(gamma=32.5), ValueError, "focal gamma must be at most 32"),
+    (dict(gamma=5e-324), ValueError, "focal gamma must be 0 or at least 1.1754943508222875e-38"),
+    (dict(gamma=1e-46), ValueError, "focal gamma must be 0 or at least"),
+    (dict(gamma=1e-44), ValueError, "focal gamma must be 0 or at least"),
     (dict(alpha=1.5), ValueError, r"focal alpha must be in \[0, 1\]"),
     (dict(gamma=float("nan")), TypeError, "focal gamma must be a finite float"),
     (dict(gamma="2"), TypeError, "focal gamma must be a finite float"),

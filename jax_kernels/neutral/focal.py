@@ -12,13 +12,22 @@ from __future__ import annotations
 import dataclasses
 import math
 
+# The gammas every engine computes exactly. Above MAX_GAMMA: gamma's integer part k is unrolled into
+# every compiled tile and Pallas kernel (a kernel per k, its compile growing with k) and each of its
+# multiplies is a rounding of the factor; k <= 32 keeps that within 2e-6 relative in float32, and
+# (1 - p_t)^32 is already 2e-10 at p_t = 1/2. Below MIN_GAMMA (float32's smallest normal number) a
+# gamma rounds or flushes to 0 in float32 arithmetic while its fraction does not: the factor was NaN.
+MAX_GAMMA = 32.0
+MIN_GAMMA = 2.0 ** -126
+
 
 @dataclasses.dataclass(frozen=True)
 class Focal:
     """Focal loss options (hashable: part of static configs and cache keys).
 
     Attributes:
-      gamma: the focusing exponent, a float >= 0 (Keras' default 2.0).
+      gamma: the focusing exponent, 0 or a float in [2**-126, 32] (Keras' default 2.0; the bounds:
+        `MIN_GAMMA`, `MAX_GAMMA`).
       alpha: the positives' share when `apply_class_balancing` (Keras' default 0.25), in [0, 1].
       apply_class_balancing: multiply positives by alpha and negatives by 1 - alpha (Keras' default
         False).
@@ -43,6 +52,13 @@ class Focal:
                 raise TypeError(f"focal {name} must be a finite float, got {value!r}")
         if self.gamma < 0:
             raise ValueError(f"focal gamma must be >= 0, got {self.gamma}")
+        if self.gamma > MAX_GAMMA:
+            raise ValueError(f"focal gamma must be at most {MAX_GAMMA:g} (its integer part is unrolled into "
+                             f"every compiled tile, one rounding per multiply; (1 - p_t)^{MAX_GAMMA:g} is already "
+                             f"2e-10 at p_t = 1/2), got {self.gamma!r}")
+        if 0 < self.gamma < MIN_GAMMA:
+            raise ValueError(f"focal gamma must be 0 or at least {MIN_GAMMA!r} (float32's smallest normal number: "
+                             f"a smaller gamma rounds or flushes to 0 in float32 arithmetic), got {self.gamma!r}")
         if not 0 <= self.alpha <= 1:
             raise ValueError(f"focal alpha must be in [0, 1], got {self.alpha}")
         if not isinstance(self.apply_class_balancing, bool):
