@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from examples import data
+from torch_cutbce import Focal
 
 MODEL_NAMES = ("sasrec", "bert4rec")
 LOSSES = ("cutbce", "focal", "dense", "sampled")
@@ -131,7 +133,7 @@ class TrainConfig:
             raise ValueError(f"--loss sampled runs on one device, got --mesh {self.mesh}")
         if self.exclude_seen not in ("auto", "yes", "no"):
             raise ValueError(f"--exclude-seen must be auto, yes or no, got {self.exclude_seen!r}")
-        if self.mesh and (self.device != "xla" or not re.fullmatch(r"\d+x\d+", self.mesh)):
+        if self.mesh and (self.device != "xla" or not re.fullmatch(r"[1-9]\d*x[1-9]\d*", self.mesh)):
             raise ValueError(f"--mesh takes DATAxMODEL device counts (e.g. 2x2) with --device xla, got {self.mesh!r}")
         if self.fsdp:
             self._check_fsdp()
@@ -140,8 +142,9 @@ class TrainConfig:
         if self.data_path and not Path(self.data_path).exists():
             raise ValueError(f"--data-path {self.data_path!r} does not exist")
         at_least = {name: 1 for name in ("k", "bert_labels", "holdout", "max_len", "batch_size", "eval_batch_size",
-                                         "epochs", "synthetic_items", "synthetic_users", "dim", "num_heads",
+                                         "epochs", "synthetic_users", "dim", "num_heads",
                                          "negatives")}
+        at_least["synthetic_items"] = 2  # one positive and at least one negative item
         at_least.update({name: 0 for name in ("num_layers", "block_v", "patience", "ckpt_every", "max_steps",
                                               "num_threads")})
         for name, low in at_least.items():
@@ -151,6 +154,10 @@ class TrainConfig:
             raise ValueError(f"--dim {self.dim} must be divisible by --num-heads {self.num_heads}")
         if self.model == "bert4rec" and self.max_len < 2:
             raise ValueError("bert4rec needs --max-len >= 2 (the history plus the appended [MASK])")
+        for f in dataclasses.fields(self):  # inf and nan pass every comparison below or train to NaN
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"--{f.name.replace('_', '-')} must be a finite number, got {value}")
         for name, ok, rule in (("mask_prob", 0 < self.mask_prob <= 1, "in (0, 1]"), ("lr", self.lr > 0, "> 0"),
                                ("pos_weight", self.pos_weight > 0, "> 0"),
                                ("dropout", 0 <= self.dropout < 1, "in [0, 1)"),
@@ -160,6 +167,11 @@ class TrainConfig:
                                ("focal_alpha", 0 <= self.focal_alpha <= 1, "in [0, 1]")):
             if not ok:
                 raise ValueError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(self, name)}")
+        if self.loss == "focal":  # the library's own bounds on gamma, with its message
+            try:
+                Focal(self.focal_gamma, self.focal_alpha, self.focal_balancing)
+            except ValueError as error:
+                raise ValueError(f"--focal-gamma / --focal-alpha: {error}") from None
         if not self.out_dir:
             self.out_dir = f"runs/{self.model}-{self.dataset}-{self.loss}-seed{self.seed}"
 
