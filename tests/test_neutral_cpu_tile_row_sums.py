@@ -149,6 +149,36 @@ def test_an_infinite_logit_gives_its_limit(reduction):
     assert torch.isnan(dense).all(), "BCEWithLogitsLoss's NaN here is the documented difference"
 
 
+@pytest.mark.jax
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("reduction", ["none", "sum"])
+def test_jax_infinite_logits_give_their_limits(reduction, jit):
+    """Issue 31: the blocked loop's TwoSum across tiles computed inf - inf, so a row with a +inf
+    logit at a negative came out NaN; the README's infinities table says +inf (block_v = 2: the
+    infinite tile is not the last)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_kernels import cut_bce
+
+    g = np.random.default_rng(5)
+    hidden, items, bias = (jnp.asarray(g.normal(size=s), jnp.float32) for s in ((3, 4), (9, 4), (9,)))
+    bias = bias.at[0].set(jnp.inf).at[1].set(-jnp.inf)
+    targets = jnp.asarray([[0, 4], [1, -1], [5, 5]])
+    upstream = jnp.asarray([0.5, 2.0, 1.5]) if reduction == "none" else jnp.asarray(1.0)
+
+    def loss_fn(hidden, bias):
+        return (cut_bce(hidden, items, targets, bias, reduction=reduction, impl="blocked", block_v=2) * upstream).sum()
+
+    value_and_grad = jax.value_and_grad(loss_fn, argnums=(0, 1))
+    loss, (d_hidden, d_bias) = (jax.jit(value_and_grad) if jit else value_and_grad)(hidden, bias)
+    rows = cut_bce(hidden, items, targets, bias, reduction="none", impl="blocked", block_v=2)
+    assert np.isfinite(rows[0]) and rows[1] == np.inf and rows[2] == np.inf, rows
+    assert loss == np.inf and np.isfinite(d_hidden).all(), (loss, d_hidden)
+    g_rows = np.broadcast_to(np.asarray(upstream), (3,))
+    assert d_bias[0] == g_rows[1] + g_rows[2] and d_bias[1] == -g_rows[1], d_bias
+
+
 @pytest.mark.parametrize("infinity", [math.inf, -math.inf])
 def test_an_infinite_position_weight_gives_torchs_infinities(infinity):
     g = torch.Generator().manual_seed(4)

@@ -127,7 +127,9 @@ def _two_sum(total, compensation, x):
     new_total = total + x
     back = new_total - total
     error = (total - (new_total - back)) + (x - back)
-    return new_total, compensation + error
+    # An infinite total has no rounding error to keep: TwoSum's inf - inf would make it NaN, where
+    # the README's infinities table says +inf (a +inf logit at a negative).
+    return new_total, compensation + jnp.where(jnp.isfinite(new_total), error, 0)
 
 
 def _counts(negatives_above_zero, p: _Positives):
