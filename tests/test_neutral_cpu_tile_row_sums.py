@@ -179,6 +179,30 @@ def test_jax_infinite_logits_give_their_limits(reduction, jit):
     assert d_bias[0] == g_rows[1] + g_rows[2] and d_bias[1] == -g_rows[1], d_bias
 
 
+@pytest.mark.parametrize("where", ["hidden", "item_weight"])
+def test_an_infinite_input_entry_gives_torchs_gradients_or_nan_for_its_infinities(where):
+    """The README's rule for an infinite `hidden` / `item_weight` entry: each gradient entry equals
+    torch's where torch's is finite or NaN; where torch's is +-inf, ours is the same infinity or
+    NaN (a positive taken out of its tile with slope 0 meets the infinity: 0 x inf)."""
+    g = torch.Generator().manual_seed(6)
+    inputs = dict(hidden=torch.randn(3, 4, generator=g), item_weight=torch.randn(9, 4, generator=g))
+    inputs[where][(1, 2) if where == "hidden" else (4, 1)] = math.inf  # row 1 / item 4 (a positive of row 0)
+    targets = torch.tensor([[0, 4], [1, -1], [5, 5]])
+    grads = []
+    for loss_fn in (cut_bce_with_logits, dense_bce_with_logits):
+        leaves = {k: x.clone().requires_grad_(True) for k, x in inputs.items()}
+        loss_fn(leaves["hidden"], leaves["item_weight"], targets, reduction="sum").backward()
+        grads.append({k: x.grad for k, x in leaves.items()})
+    ours, torchs = grads
+    for name in inputs:
+        a, b = ours[name], torchs[name]
+        finite = torch.isfinite(b)
+        assert torch.allclose(a[finite], b[finite], rtol=1e-5, atol=1e-6), name
+        assert torch.equal(torch.isnan(a) & torch.isnan(b), torch.isnan(b)), name  # torch's NaN: ours too
+        infinite = torch.isinf(b)
+        assert ((a[infinite] == b[infinite]) | torch.isnan(a[infinite])).all(), name
+
+
 @pytest.mark.parametrize("infinity", [math.inf, -math.inf])
 def test_an_infinite_position_weight_gives_torchs_infinities(infinity):
     g = torch.Generator().manual_seed(4)
