@@ -110,6 +110,7 @@ def _check_damage_is_survived(script: str, prefix: str, how: str, cache: Path) -
     second = _run(script, cache)
     assert second["tile"] == "c_kernel", second  # rebuilt, not given up
     assert len(second["warnings"]) == 1 and "does not match the digest" in second["warnings"][0], second
+    assert "the cached the" not in second["warnings"][0], second  # issue 31: the warning read so
     assert "building it again" in second["warnings"][0], second  # said instead of the first build's message
     assert second["error"] <= 1e-5, second
     assert cpu_tile_build._intact(library)  # rebuilt whole: the next process loads it without a word

@@ -27,6 +27,19 @@ def _fake(ms, calls, name):
     return measure
 
 
+@pytest.mark.parametrize("dtype, no_compile", [(torch.float64, "0"), (torch.float32, "1"), (torch.bfloat16, "0")])
+def test_a_bad_tile_value_is_an_error_on_every_path(monkeypatch, dtype, no_compile):
+    """Issue 31: a bad TORCH_CUTBCE_TILE was silently ignored for float64 inputs and under
+    TORCH_CUTBCE_NO_COMPILE=1 (the paths that never read it)."""
+    from torch_cutbce import cut_bce_with_logits
+
+    monkeypatch.setenv(tile_choice.ENV, "fastest")
+    monkeypatch.setenv("TORCH_CUTBCE_NO_COMPILE", no_compile)
+    hidden, items = torch.randn(3, 4, dtype=dtype), torch.randn(7, 4, dtype=dtype)
+    with pytest.raises(ValueError, match=r"TORCH_CUTBCE_TILE='fastest': expected 'auto' or one of"):
+        cut_bce_with_logits(hidden, items, torch.tensor([[1], [2], [-1]]), backend="native")
+
+
 @pytest.mark.parametrize("timings, want", [
     ({"c_kernel": 2.0, "compiled": 1.0, "eager": 3.0}, "compiled"),
     ({"c_kernel": 0.5, "compiled": 1.0, "eager": 3.0}, "c_kernel"),

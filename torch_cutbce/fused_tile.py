@@ -307,6 +307,7 @@ def _time_candidate(tile: str) -> float:
 
 
 def _tile_for(name: str, z: torch.Tensor) -> str:
+    tile_choice.forced(TILES)  # a bad TORCH_CUTBCE_TILE is an error on every path, not only where it is read
     if name in _CPU_KERNEL_FUNCTIONS and z.dtype == torch.float32 and z.device.type == "cpu":
         tile = _plain_cpu_tile()
         return "eager" if tile == "compiled" and min(z.shape) < 2 else tile  # as _can_compile

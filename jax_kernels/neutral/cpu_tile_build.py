@@ -123,7 +123,7 @@ class _Build:
     def announce(self, compiler: str, folder: Path, damaged: Path | None) -> None:
         command = f"{Path(compiler).name} {' '.join(flags()[:2])} ..."
         if damaged is not None:
-            why = (f"the cached {self.what} {damaged} does not match the digest recorded when it was built "
+            why = (f"{self.what} cached at {damaged} does not match the digest recorded when it was built "
                    f"(damaged or replaced); building it again ({command}, {self.cost})")
         else:
             why = (f"building {self.what} for this machine ({command}, {self.cost}), once per machine, "
