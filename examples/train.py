@@ -24,9 +24,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import resource
 import sys
 import time
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -59,7 +61,11 @@ SAME_ON_RESUME = ("model", "dataset", "data_path", "synthetic_items", "synthetic
                   "normalization", "optimizer", "adam_eps")
 
 
-class ResumeError(ValueError):
+class RunError(ValueError):
+    """A file or folder the run cannot use (the data, a checkpoint, --out-dir): one line, exit 2."""
+
+
+class ResumeError(RunError):
     """--resume with a checkpoint that this run cannot continue exactly."""
 
 
@@ -179,14 +185,33 @@ class Run:
         return np.random.default_rng([self.cfg.seed, epoch]).permutation(len(self.windows))
 
 
+def _usable_out_dir(out_dir: Path) -> Path:
+    """--out-dir, created; a file there, or a folder this process cannot write, is a RunError."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise RunError(f"--out-dir {out_dir}: cannot create it ({type(error).__name__}: {error})") from error
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise RunError(f"--out-dir {out_dir}: this process cannot write there")
+    return out_dir
+
+
 def load_data(cfg: TrainConfig) -> tuple[data.SeqDataset, np.ndarray, bool]:
     """The data set, its training windows and whether rankings exclude seen items.
 
     The set and its split depend on the data seed (0), never on --seed.
     """
-    ds = data.load_dataset(cfg.dataset, cfg.data_path or None, synthetic_items=cfg.synthetic_items,
-                           synthetic_users=cfg.synthetic_users)
-    ds = data.drop_short_users(ds, 2 * cfg.holdout + 1)
+    source = f"--dataset {cfg.dataset}" + (f" --data-path {cfg.data_path}" if cfg.data_path else "")
+    try:
+        ds = data.load_dataset(cfg.dataset, cfg.data_path or None, synthetic_items=cfg.synthetic_items,
+                               synthetic_users=cfg.synthetic_users)
+    except (OSError, ValueError, KeyError, IndexError, EOFError, zipfile.BadZipFile) as error:
+        # A missing, truncated or malformed file: say which and what, not a traceback from the reader.
+        raise RunError(f"{source}: cannot read the data ({type(error).__name__}: {error})") from error
+    try:
+        ds = data.drop_short_users(ds, 2 * cfg.holdout + 1)
+    except ValueError as error:
+        raise RunError(f"--holdout {cfg.holdout}: {error}") from error
     windows = data.train_windows(ds, cfg.holdout, cfg.max_len, cfg.labels)
     exclude_seen = {"yes": True, "no": False, "auto": not ds.has_repeats()}[cfg.exclude_seen]
     return ds, windows, exclude_seen
@@ -263,7 +288,12 @@ def read_checkpoint(run: Run) -> dict | None:
     if not ckpt_path.exists():
         print(f"--resume: no checkpoint in {run.out_dir}, starting fresh")
         return None
-    ckpt = torch.load(ckpt_path, weights_only=False)
+    try:
+        ckpt = torch.load(ckpt_path, weights_only=False)
+        ckpt["config"], ckpt["state"]  # noqa: B018 (a checkpoint of another kind fails here, named)
+    except Exception as error:  # noqa: BLE001 (torch.load of a damaged file raises many kinds)
+        raise ResumeError(f"--resume: {ckpt_path} is not a readable checkpoint ({type(error).__name__}: "
+                          f"{str(error)[:200]}); delete it or use another --out-dir") from error
     changed = [n for n in SAME_ON_RESUME if ckpt["config"].get(n) != getattr(cfg, n)]  # absent: an older run
     if changed:
         raise ResumeError(f"--resume: {changed} differ from the checkpoint in {ckpt_path}; use another --out-dir")
@@ -524,8 +554,7 @@ def train(cfg: TrainConfig, *, after_step: Callable[[int], None] | None = None) 
     t_start = time.time()
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    out_dir = Path(cfg.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = _usable_out_dir(Path(cfg.out_dir))
     mesh = make_mesh(cfg.mesh)  # before any XLA tensor exists: SPMD must be on first
     started = cfg.fsdp and not fsdp.dist.is_initialized()
     ranks = fsdp.start() if cfg.fsdp else None  # the process group of torchrun's processes
@@ -565,7 +594,7 @@ def main(argv=None) -> int:
     cfg = parse_args(argv, description=__doc__)
     try:
         train(cfg)
-    except ResumeError as error:
+    except RunError as error:  # the data, a checkpoint or --out-dir: one line naming the file
         if fsdp.is_main():
             print(f"examples/train.py: error: {error}", file=sys.stderr)
         fsdp.stop(barrier=False)

@@ -165,6 +165,86 @@ def test_resume_after_kill_equals_uninterrupted_run(tmp_path, model, loss, kill_
     assert straight["test"] == resumed["test"] and straight["history"] == resumed["history"]
 
 
+def test_a_kill_while_a_checkpoint_is_written_resumes_from_the_last_whole_one(tmp_path, monkeypatch):
+    """Issue 31: the process dies halfway through writing its second ckpt.pt (a torn temporary
+    file); the first checkpoint is intact, and resuming from it gives the uninterrupted run."""
+    from examples import checkpoint
+
+    settings = dict(ckpt_every=3)
+    straight = train.train(tiny_config(tmp_path / "a", **settings))
+    real_open, writes = open, []
+
+    class TornFile:
+        """Writes half of what it is given, then dies."""
+
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            self.f.write(bytes(data)[: len(data) // 2])
+            self.f.flush()
+            raise SimulatedKill("killed while writing a checkpoint")
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def dying_open(path, mode="r", *args, **kwargs):
+        f = real_open(path, mode, *args, **kwargs)
+        if str(path).endswith("ckpt.pt.tmp"):
+            writes.append(path)
+            if len(writes) == 2:
+                return TornFile(f)
+        return f
+
+    monkeypatch.setattr(checkpoint, "open", dying_open, raising=False)
+    with pytest.raises(SimulatedKill):
+        train.train(tiny_config(tmp_path / "b", **settings))
+    monkeypatch.undo()
+    out = tmp_path / "b" / "run"
+    assert (out / "ckpt.pt.tmp").exists() and (out / "ckpt.pt").exists()  # the torn file beside the whole one
+    assert torch.load(out / "ckpt.pt", weights_only=False)["state"]["step"] == 3
+    resumed = train.train(tiny_config(tmp_path / "b", resume=True, **settings))
+    params_a, _ = final_state(tmp_path / "a" / "run")
+    params_b, _ = final_state(out)
+    assert all(torch.equal(params_a[name], params_b[name]) for name in params_a)
+    assert straight["test"] == resumed["test"]
+
+
+def _main_error(capsys, argv) -> str:
+    """Runs the example's main(); it must end with exit status 2 and one line, no traceback."""
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+    return err
+
+
+def test_file_errors_are_one_line_naming_the_file(tmp_path, capsys):
+    """Issue 31: a corrupt checkpoint given to --resume, an --out-dir that is a file, a malformed or
+    missing data file and a --holdout larger than the data ended in tracebacks."""
+    quick = ["--dataset", "synthetic", "--synthetic-items", "300", "--synthetic-users", "64", "--max-len", "10",
+             "--dim", "16", "--num-layers", "1", "--num-heads", "2", "--epochs", "1"]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "ckpt.pt").write_bytes(b"not a checkpoint")
+    err = _main_error(capsys, quick + ["--out-dir", str(run), "--resume"])
+    assert f"--resume: {run / 'ckpt.pt'} is not a readable checkpoint" in err, err
+    (tmp_path / "a-file").write_text("")
+    err = _main_error(capsys, quick + ["--out-dir", str(tmp_path / "a-file")])
+    assert f"--out-dir {tmp_path / 'a-file'}: cannot create it" in err, err
+    bad = tmp_path / "ml-100k.zip"
+    bad.write_bytes(b"garbage")
+    err = _main_error(capsys, ["--dataset", "ml-100k", "--data-path", str(bad), "--out-dir", str(run)])
+    assert f"--data-path {bad}: cannot read the data" in err, err
+    err = _main_error(capsys, quick + ["--holdout", "500", "--out-dir", str(run)])
+    assert "--holdout 500: synthetic-300: no user has >= 1001 items" in err, err
+
+
 def test_run_writes_metrics_and_curves(tmp_path):
     result = train.train(tiny_config(tmp_path, epochs=2, model="sasrec"))
     out = Path(tmp_path / "run")
