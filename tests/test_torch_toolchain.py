@@ -170,3 +170,46 @@ def test_the_first_tile_compile_is_announced_once(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error", fused_tile.TileCompileWarning)
         cut_bce_with_logits(hidden, items, targets, bias, block_v=BLOCK_V, reduction="none")
+
+
+# -- torch.func ---------------------------------------------------------------------------------------
+
+_FUNC_INPUTS = dict(hidden=torch.randn(3, 4, generator=torch.Generator().manual_seed(0)),
+                    items=torch.randn(20, 4, generator=torch.Generator().manual_seed(1)),
+                    targets=torch.tensor([[1, -1], [2, 5], [-1, -1]]))
+
+
+def _func_loss(hidden):
+    return cut_bce_with_logits(hidden, _FUNC_INPUTS["items"], _FUNC_INPUTS["targets"], reduction="sum")
+
+
+TRANSFORMS = {
+    "grad": lambda h: torch.func.grad(_func_loss)(h),
+    "vjp": lambda h: torch.func.vjp(_func_loss, h),
+    "jacrev": lambda h: torch.func.jacrev(_func_loss)(h),
+    "jvp": lambda h: torch.func.jvp(_func_loss, (h,), (h,)),
+    "vmap-of-grad": lambda h: torch.func.vmap(torch.func.grad(_func_loss))(h.expand(2, 3, 4)),
+    "grad-of-vmap": lambda h: torch.func.grad(lambda x: torch.func.vmap(_func_loss)(x).sum())(h.expand(2, 3, 4)),
+}
+
+
+@pytest.mark.parametrize("transform", list(TRANSFORMS))
+def test_torch_func_gradient_transforms_are_refused_by_name(transform):
+    """Issue 31: torch.func's gradient transforms failed with torch's internal message about
+    `setup_context`; now a clear error naming the argument and what works instead."""
+    with pytest.raises(RuntimeError, match=r"hidden is differentiated by a torch.func transform .* Use torch.autograd"):
+        TRANSFORMS[transform](_FUNC_INPUTS["hidden"][None])
+
+
+def test_torch_func_vmap_and_functional_call_work():
+    """What the refusal points to: plain vmap over positions' batches, and autograd through
+    functional_call, both equal to the direct computation."""
+    hidden = _FUNC_INPUTS["hidden"]
+    batched = torch.func.vmap(_func_loss)(torch.stack([hidden, 2 * hidden]))
+    assert torch.allclose(batched, torch.stack([_func_loss(hidden), _func_loss(2 * hidden)]))
+    linear = torch.nn.Linear(4, 4)
+    params = {k: v.detach().requires_grad_(True) for k, v in linear.named_parameters()}
+    loss = _func_loss(torch.func.functional_call(linear, params, (hidden,)))
+    grads = torch.autograd.grad(loss, list(params.values()))
+    expected = torch.autograd.grad(_func_loss(linear(hidden)), list(linear.parameters()))
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(grads, expected))

@@ -63,6 +63,32 @@ def check_parallel_options(backend: str, mesh, vocab_parallel, vocab_axis: AxisN
         check_mesh_axes(mesh.axis_names, vocab_axis, data_axis)
 
 
+def _differentiated_by_torch_func(x) -> bool:
+    """Whether `x` is wrapped by a torch.func gradient transform (grad, vjp, jacrev, jvp, jacfwd), at
+    any depth of vmap. Reads torch's functorch wrappers (private: absent, nothing is refused)."""
+    functorch = getattr(torch._C, "_functorch", None)
+    if functorch is None or not isinstance(x, torch.Tensor):
+        return False
+    while functorch.is_gradtrackingtensor(x) or functorch.is_batchedtensor(x):
+        if functorch.is_gradtrackingtensor(x):
+            return True
+        x = functorch.get_unwrapped(x)
+    return False
+
+
+def check_not_under_torch_func(tensors: dict) -> None:
+    """torch.func's gradient transforms cannot run the ops' autograd (a custom op's backward written by
+    hand, whose generated autograd.Function has no `setup_context`): refused by name, with what works."""
+    for name, x in tensors.items():
+        if _differentiated_by_torch_func(x):
+            raise RuntimeError(
+                f"cut_bce_with_logits: {name} is differentiated by a torch.func transform (grad, vjp, jacrev, "
+                f"jvp, jacfwd), which the loss does not support: its backward is a hand-written custom-op "
+                f"pass torch.func cannot transform. Use torch.autograd (loss.backward() or "
+                f"torch.autograd.grad), with torch.func.functional_call for functional parameters; plain "
+                f"torch.func.vmap and functional_call work")
+
+
 def check_no_parallel_options(mesh, vocab_parallel) -> None:
     """DTensor arguments carry their own layout: `mesh=` and `vocab_parallel=` would be a second one."""
     for name, value in (("mesh", mesh), ("vocab_parallel", vocab_parallel)):
