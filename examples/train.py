@@ -13,7 +13,8 @@ Each epoch ends with a validation pass; the best epoch by validation NDCG@10 is 
 only that model is evaluated on the test items, once, at the end, next to a popularity baseline.
 Checkpoints are written atomically and hold everything the remaining run depends on (model,
 optimizer, RNG states, position in the data order), so a killed run resumed with --resume ends
-with the same parameters as an uninterrupted one.
+with the same parameters as an uninterrupted one. A bad flag, or a file or folder the run cannot
+use (the data, a checkpoint, --out-dir), ends the run with one line naming it and exit status 2.
 
 The run reads top to bottom in `train`: load the data, build the model, start or resume, then per
 epoch `train_one_epoch` and `validate`, and at the end `test_and_report`.
