@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jax_kernels.neutral.focal import Focal
+from jax_kernels.neutral.focal import MIN_GAMMA, Focal
 from jax_kernels.neutral.options import CutBCEOptions, decode
 from torch_cutbce import ops
 
@@ -35,7 +35,7 @@ _names = st.text(st.sampled_from("abcdefghijklmnopqrstuvwxyz_-0123456789"), min_
 def options(draw):
     focal = draw(st.none() | st.builds(
         Focal,
-        gamma=st.floats(0, 8, allow_nan=False, allow_infinity=False),
+        gamma=st.just(0.0) | st.floats(MIN_GAMMA, 8, allow_nan=False, allow_infinity=False),  # Focal's bounds
         alpha=st.floats(0, 1, allow_nan=False, allow_infinity=False),
         apply_class_balancing=st.booleans()))
     mesh = {}

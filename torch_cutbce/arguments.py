@@ -67,8 +67,8 @@ def _differentiated_by_torch_func(x) -> bool:
     """Whether `x` is wrapped by a torch.func gradient transform (grad, vjp, jacrev, jvp, jacfwd), at
     any depth of vmap. Reads torch's functorch wrappers (private: absent, nothing is refused)."""
     functorch = getattr(torch._C, "_functorch", None)
-    if functorch is None or not isinstance(x, torch.Tensor):
-        return False
+    if functorch is None or not isinstance(x, torch.Tensor) or torch.compiler.is_compiling():
+        return False  # under torch.compile dynamo sees plain tensors (and cannot call these)
     while functorch.is_gradtrackingtensor(x) or functorch.is_batchedtensor(x):
         if functorch.is_gradtrackingtensor(x):
             return True
