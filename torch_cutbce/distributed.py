@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from torch_cutbce.arguments import check_ids_below_vocab
 from torch_cutbce.positives import accumulation_dtype
-from torch_cutbce.vocab_parallel import CopyToRanks, SumOverRanks
+from torch_cutbce.vocab_parallel import CopyToRanks, sum_rows_over_ranks
 
 # At import (about 60 ms): a cached lazy import would be a call dynamo warns about under torch.compile.
 if dist.is_available():
@@ -280,9 +280,7 @@ class _GatherPositions(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
-        return out
+        return _gather_no_grad(x, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -312,13 +310,11 @@ class _ScatterRows(torch.autograd.Function):
     def backward(ctx, grad, _grad_counts):
         if grad is None:
             return None, None, None
-        grad = grad.contiguous()
-        out = grad.new_empty((dist.get_world_size(ctx.group) * grad.shape[0],))
-        dist.all_gather_into_tensor(out, grad, group=ctx.group)
-        return out, None, None
+        return _gather_no_grad(grad, ctx.group), None, None
 
 
 def _gather_no_grad(x, group):
+    """all_gather along dim 0 over `group`: `[n, ...]` -> `[P n, ...]`."""
     out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
     dist.all_gather_into_tensor(out, x.contiguous(), group=group)
     return out
@@ -359,14 +355,13 @@ def layout_rows(layout: Layout, engine, flat, options):
     as `localize` made them; `options` without an offset (ids are sliced here, for any engine).
     """
     hidden, item_weight, bias, class_weight, pos_weight, targets = flat
-    check_ids_below_vocab(targets, layout.num_items)  # each rank its own ids, against the global V
-    if layout.table != "sharded":
+    if layout.table != "sharded":  # the whole table: the engine checks the ids itself
         return engine.rows(flat, options, None)
+    check_ids_below_vocab(targets, layout.num_items)  # before slicing: each rank its own ids, the global V
     group = layout.shard_group
     if layout.positions == "replicated":  # the vocab-parallel conjugates: same positions everywhere
         rows, counts = _slice_rows(engine, (CopyToRanks.apply(hidden, group), *flat[1:]), options, layout)
-        stacked = SumOverRanks.apply(torch.cat([rows[None], counts.to(rows.dtype)]), group)
-        return stacked[0], stacked[1:].detach().float()
+        return sum_rows_over_ranks(rows, counts, group)
     n, slots = targets.shape
     n_max, slots_max = _largest_over_ranks((n, slots), hidden.device, group)
     hidden_all = _GatherPositions.apply(F.pad(hidden, (0, 0, 0, n_max - n)), group)

@@ -99,9 +99,9 @@ def cut_bce_with_logits(
       `(loss, CutBCEMetrics)`. Gradients come back in each input's dtype. The native backend's
       gradients are not differentiable again (double backward raises a RuntimeError).
     """
+    arguments.check_not_under_torch_func(dict(hidden=hidden, item_weight=item_weight, bias=bias, weight=weight))
     # DTensors: their placements first (the clearest message), then the rules on their global
     # shapes; each rank computes with its local parts (`torch_cutbce.distributed`).
-    arguments.check_not_under_torch_func(dict(hidden=hidden, item_weight=item_weight, bias=bias, weight=weight))
     layout = distributed.layout_of(hidden, item_weight, targets, bias, weight, class_weight, pos_weight)
     size = arguments.check(hidden, item_weight, targets, bias, weight, class_weight, pos_weight,
                            reduction=reduction, block_v=block_v)

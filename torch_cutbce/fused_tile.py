@@ -263,10 +263,11 @@ def _compiling_allowed() -> bool:
 def _plain_cpu_tile() -> str:
     """The tile for plain float32 CPU tiles: `TORCH_CUTBCE_TILE` if it names one that is available,
     else the candidate measured fastest on this machine (`jax_kernels/neutral/tile_choice.py`), else
-    torch.compile's tile without the C kernel, the eager one without a compiler. Env read per call."""
+    torch.compile's tile without the C kernel, the eager one without a compiler. Env read (and a bad
+    value refused) per call, also when builds are off."""
+    forced = tile_choice.forced(TILES)
     if cpu_tile_build.disabled():
         return "eager"
-    forced = tile_choice.forced(TILES)
     if forced == "eager" or (forced == "compiled" and _cpu_compiling_allowed()):
         return forced  # without building the C kernel
     library = _cpu_library()
@@ -307,10 +308,10 @@ def _time_candidate(tile: str) -> float:
 
 
 def _tile_for(name: str, z: torch.Tensor) -> str:
-    tile_choice.forced(TILES)  # a bad TORCH_CUTBCE_TILE is an error on every path, not only where it is read
     if name in _CPU_KERNEL_FUNCTIONS and z.dtype == torch.float32 and z.device.type == "cpu":
         tile = _plain_cpu_tile()
         return "eager" if tile == "compiled" and min(z.shape) < 2 else tile  # as _can_compile
+    tile_choice.forced(TILES)  # not used on these paths, but a bad TORCH_CUTBCE_TILE is an error on every one
     return "compiled" if _can_compile(z) else "eager"  # focal, CUDA, float64, bfloat16
 
 

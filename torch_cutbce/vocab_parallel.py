@@ -96,8 +96,13 @@ def vocab_parallel_rows(hidden, item_weight, bias, class_weight, pos_weight, tar
     # Global ids: the op keeps those in [start, stop) as local ids, the others are another rank's;
     # ids >= the global V raise (CPU) or assert (CUDA) inside the op, as on one device.
     rows, counts = ops.rows(hidden, item_weight, bias, class_weight, pos_weight, targets, options)
-    # One all_reduce: counts are integers below 2**24, exact in float32 and float64.
-    stacked = SumOverRanks.apply(torch.cat([rows[None], counts.to(rows.dtype)]), vocab_parallel.group)
+    return sum_rows_over_ranks(rows, counts, vocab_parallel.group)
+
+
+def sum_rows_over_ranks(rows, counts, group):
+    """`(rows [N], counts [C, N])` summed over the ranks of `group` in one all_reduce (counts are
+    integers below 2**24, exact in float32 and float64); the rows' gradient passes through."""
+    stacked = SumOverRanks.apply(torch.cat([rows[None], counts.to(rows.dtype)]), group)
     return stacked[0], stacked[1:].detach().float()
 
 
