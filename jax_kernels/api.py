@@ -7,7 +7,7 @@ import functools
 
 from jax_kernels.arguments import engine_operands, prepare, resolve_impl
 from jax_kernels.core import call_config, cut_bce_rows, cut_bce_weighted_sum
-from jax_kernels.neutral.focal import check_focal
+from jax_kernels.neutral.loss import Loss
 from jax_kernels.reduction import finish
 from jax_kernels.sharded import sharded_loss
 
@@ -30,6 +30,7 @@ def cut_bce(
     data_axis="data",
     num_items: int | None = None,
     focal=None,
+    label_smoothing: float = 0.0,
 ):
     """Binary cross-entropy of `hidden @ item_weight.T + bias` against multi-hot targets, without the logits.
 
@@ -78,11 +79,13 @@ def cut_bce(
         `BinaryFocalCrossentropy`; the formula is in `jax_kernels.reference`), exact on every
         path; None (default): plain BCE. `Focal(gamma=0)` without balancing is plain BCE, bit for
         bit. Anything else raises a TypeError naming focal.
+      label_smoothing: eps in [0, 1]: each element's target becomes `y (1 - eps) + eps / 2`
+        (Keras' `label_smoothing`, also with focal); `pos_weight` scales a positive's whole term.
 
     Returns:
       The loss (float32, or float64 for float64 inputs), or `(loss, (tp, fp, fn, tn))`.
     """
-    focal = check_focal(focal)
+    loss = Loss(focal, label_smoothing)  # the per-element math, checked (its errors name the argument)
     size, a = prepare(hidden, item_weight, targets, bias, weight, class_weight, pos_weight,
                       reduction=reduction, block_v=block_v, num_items=num_items)
     hidden, item_weight, targets, bias = a["hidden"], a["item_weight"], a["targets"], a["bias"]
@@ -90,7 +93,7 @@ def cut_bce(
     block_v = size.block_v
     if mesh is not None and size.num_positions and size.hidden_size:  # an empty problem needs no mesh
         return sharded_loss(size, a, mesh=mesh, vocab_axis=vocab_axis, data_axis=data_axis, reduction=reduction,
-                            return_metrics=return_metrics, impl=impl, block_sizes=block_sizes, focal=focal,
+                            return_metrics=return_metrics, impl=impl, block_sizes=block_sizes, loss=loss,
                             num_items=num_items)
     if num_items is not None and num_items < size.num_items:  # one device: the padding rows go
         num_items = int(num_items)
@@ -99,7 +102,7 @@ def cut_bce(
         size = dataclasses.replace(size, num_items=num_items)
     config = call_config(block_v=block_v, num_positions=size.num_positions, num_items=size.num_items,
                          impl=resolve_impl(impl, hidden.dtype), compute_metrics=return_metrics,
-                         block_sizes=block_sizes, focal=focal)
+                         block_sizes=block_sizes, loss=loss)
     operands = engine_operands(size, hidden, item_weight, targets, bias, class_weight, pos_weight)
     # 'sum' / 'mean' take core.cut_bce_weighted_sum: the gradients computed during the forward.
     return finish(functools.partial(cut_bce_rows, config), functools.partial(cut_bce_weighted_sum, config),

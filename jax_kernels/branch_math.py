@@ -100,27 +100,72 @@ def _integer_power(x, k: int):
     return result
 
 
-def focal_terms(u, e, gamma: float):
-    """`(term(u), term'(u))` of focal CutBCE (module docstring) from `e = exp(-|u|)`. gamma is a
-    static float (`gamma = 0` without class balancing never comes here: the plain code runs)."""
+def loss_terms(u, e, loss):
+    """`(term(u), term'(u))` of a `jax_kernels.neutral.loss.Loss` (static), before the branch scale,
+    from `e = exp(-|u|)` (the formulas: the Loss module's docstring). With c = 0 the focal factor
+    is `focal_factor`'s exact split; with c > 0 it is `q^gamma = exp(gamma log q)`, q >= c > 0.
+
+        B = (1 - c) max(u, 0) + c max(-u, 0) + log1p(e)         B' = sigmoid(u) - c
+        term' = q^gamma (B' + gamma (1 - 2c) sigmoid(u) sigmoid(-u) B / q)
+    """
+    form, numbers = loss.form(), loss.numbers()
+    c = numbers.half_smoothing
     tail = log1p_tail(e)
-    factor = focal_factor(u, e, tail, gamma)
-    plus = softplus(u, e, tail)
-    return factor * plus, factor * (gamma * sigmoid_flip(u, e) * plus + sigmoid(u, e))
+    sigmoid_u = sigmoid(u, e)
+    if form.smoothing:
+        plus = (1 - c) * jnp.maximum(u, 0) - c * jnp.minimum(u, 0) + tail
+        slope = sigmoid_u - c
+    else:
+        plus, slope = softplus(u, e, tail), sigmoid_u
+    if not form.focal:
+        return plus, slope
+    if form.smoothing:
+        q = c + (1 - 2 * c) * sigmoid_u
+        factor = jnp.exp(numbers.gamma * jnp.log(q))
+        bend = (1 - 2 * c) * sigmoid_u * sigmoid_flip(u, e) / q
+    else:
+        factor, bend = focal_factor(u, e, tail, numbers.gamma), sigmoid_flip(u, e)
+    return factor * plus, factor * (numbers.gamma * bend * plus + slope)
 
 
-def branch_terms(z, positive: bool, focal=None):
+def _scaled(loss_value, slope, positive, loss):
+    """Times the branch's class balance (`Loss.numbers()`: 1 unless balanced); `positive` a bool or
+    a boolean array."""
+    if not loss.form().balanced:
+        return loss_value, slope
+    numbers = loss.numbers()
+    if isinstance(positive, bool):
+        scale = numbers.positive_scale if positive else numbers.negative_scale
+    else:
+        scale = jnp.where(positive, jnp.asarray(numbers.positive_scale, slope.dtype),
+                          jnp.asarray(numbers.negative_scale, slope.dtype))
+    return loss_value * scale, slope * scale
+
+
+def branch_terms(z, positive: bool, loss=None):
     """`(loss, slope)` of every element of `z` on one branch, before any weight: a negative's
-    `(softplus(z), sigmoid(z))` or a positive's `(softplus(-z), -sigmoid(-z))`; with a
-    `jax_kernels.neutral.focal.Focal`, `term` and its slope times focal's scale of that branch.
-    `slope` is d loss / dz."""
+    `(softplus(z), sigmoid(z))` or a positive's `(softplus(-z), -sigmoid(-z))` for plain BCE (None
+    or a plain `Loss`); for a `jax_kernels.neutral.loss.Loss`, its term and slope times its class
+    balance. `slope` is d loss / dz. A negative at z = -inf (a positive taken out of its tile) adds
+    0 (its slope is masked by the tile: `blocked/negative_tile.py`)."""
     u = -z if positive else z
     e = exp_neg_abs(z)
-    if focal is None:
-        loss, slope = softplus(u, e), sigmoid(u, e)
+    if loss is None or loss.plain:
+        value, slope = softplus(u, e), sigmoid(u, e)
     else:
-        loss, slope = focal_terms(u, e, focal.gamma)
-        scale = focal.positive_scale if positive else focal.negative_scale
-        if scale != 1.0:
-            loss, slope = loss * scale, slope * scale
-    return loss, (-slope if positive else slope)  # du/dz = -1 at a positive
+        value, slope = _scaled(*loss_terms(u, e, loss), positive, loss)
+        if loss.form().smoothing and not positive:  # smoothing's c |u| is inf at a taken-out positive
+            value = jnp.where(z == -jnp.inf, jnp.zeros((), value.dtype), value)
+    return value, (-slope if positive else slope)  # du/dz = -1 at a positive
+
+
+def labelled_terms(z, y, e, loss=None):
+    """`(loss, slope)` of a tile whose labels are the boolean `y` (None: all negatives), from
+    `e = exp(-|z|)`: `branch_terms` of each element's own branch, in one pass (the Pallas kernels'
+    way: they mask by label, never take a positive out)."""
+    u = z if y is None else jnp.where(y, -z, z)
+    if loss is None or loss.plain:
+        value, slope = softplus(u, e), sigmoid(u, e)
+    else:
+        value, slope = _scaled(*loss_terms(u, e, loss), False if y is None else y, loss)
+    return value, (slope if y is None else jnp.where(y, -slope, slope))

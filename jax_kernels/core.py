@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_kernels import positives
-from jax_kernels.neutral.focal import Focal, check_focal
+from jax_kernels.neutral.loss import Loss
 from jax_kernels.engines import ENGINES, engine_for
 from jax_kernels.neutral.shapes import tile_width
 
@@ -39,10 +39,8 @@ class CutBCEConfig:
       compute_metrics: also produce the per-position counts.
       impl: 'blocked' (pure JAX) or 'pallas' (Mosaic on TPU, `interpret=True` elsewhere).
       block_sizes: Pallas tile sizes (a `jax_kernels.pallas.block_sizes.BlockSizes`), None = derived.
-      focal: a `jax_kernels.neutral.focal.Focal` (focal CutBCE), or None (plain CutBCE). A Focal that is
-        plain CutBCE (gamma = 0 without class balancing) is stored as None (`check_focal`
-        normalises it), so every engine, the torch_xla bridge and the sharded layout run the
-        plain code for it (bit for bit the plain results, and the same cache key).
+      loss: the `jax_kernels.neutral.loss.Loss` (plain BCE by default), handed unopened to the
+        branch math; a plain Loss runs the plain code, bit for bit.
       cpu_kernel: the blocked loop's float32 tiles run the C kernel (`cpu_tile.c`, through XLA's
         FFI) when lowered for the CPU; False keeps them in jnp. The torch_xla bridge sets False:
         its runtime is its own XLA build, where the FFI target is not registered.
@@ -52,7 +50,7 @@ class CutBCEConfig:
     compute_metrics: bool = False
     impl: str = "blocked"
     block_sizes: object = None
-    focal: Focal | None = None
+    loss: Loss = Loss()
     cpu_kernel: bool = True
 
     def __post_init__(self):
@@ -60,17 +58,17 @@ class CutBCEConfig:
             raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
         if not isinstance(self.block_v, int) or self.block_v < 1:
             raise ValueError(f"block_v must be a positive int, got {self.block_v!r}")
-        # check_focal normalises: a Focal that is plain BCE becomes None here.
-        object.__setattr__(self, "focal", check_focal(self.focal))
+        if not isinstance(self.loss, Loss):
+            raise TypeError(f"loss must be a Loss, got {self.loss!r}")
 
 
-def call_config(*, block_v, num_positions, num_items, impl, compute_metrics, block_sizes=None, focal=None,
+def call_config(*, block_v, num_positions, num_items, impl, compute_metrics, block_sizes=None, loss=Loss(),
                 cpu_kernel=True) -> CutBCEConfig:
     """The one place a call's config is built (the entry, its mesh route and the torch_xla bridge):
     `block_v` is the caller's tile width or None, sized by `shapes.tile_width` for the
     `num_positions` x `num_items` each device sees; `impl` an engine name, already resolved."""
     return CutBCEConfig(block_v=tile_width(block_v, num_positions, num_items), compute_metrics=compute_metrics,
-                        impl=impl, block_sizes=block_sizes, focal=focal, cpu_kernel=cpu_kernel)
+                        impl=impl, block_sizes=block_sizes, loss=loss, cpu_kernel=cpu_kernel)
 
 
 def _metric_counts(config, counted, ids, num_items):
@@ -98,7 +96,7 @@ def _in_input_dtypes(hidden, item_weight, bias, grads):
 
 
 def cut_bce_forward(hidden, item_weight, targets, bias, class_weight, pos_weight, *, config: CutBCEConfig):
-    """Per-position loss rows (reference.py's formula with weight = 1; focal with `config.focal`).
+    """Per-position loss rows (reference.py's formula with weight = 1, the loss `config.loss`).
 
     Args:
       hidden: `[N, D]`. item_weight: `[V, D]` (same dtype). targets: `[N, L]` int; ids outside

@@ -50,7 +50,7 @@ def _blocked_forward(config, hidden, item_weight, bias, class_weight, pos_weight
     from jax_kernels.blocked.loop import blocked_forward
 
     return blocked_forward(hidden, item_weight, bias, class_weight, pos_weight, ids, block_v=config.block_v,
-                           compute_counts=config.compute_metrics, focal=config.focal,
+                           compute_counts=config.compute_metrics, loss=config.loss,
                            cpu_kernel=config.cpu_kernel)
 
 
@@ -58,7 +58,7 @@ def _blocked_backward(config, hidden, item_weight, bias, class_weight, pos_weigh
     from jax_kernels.blocked.loop import blocked_backward
 
     return blocked_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, g, block_v=config.block_v,
-                            focal=config.focal, cpu_kernel=config.cpu_kernel)
+                            loss=config.loss, cpu_kernel=config.cpu_kernel)
 
 
 def _blocked_value_and_grad(config, hidden, item_weight, bias, class_weight, pos_weight, ids, g):
@@ -66,7 +66,7 @@ def _blocked_value_and_grad(config, hidden, item_weight, bias, class_weight, pos
 
     return blocked_value_and_grad(hidden, item_weight, bias, class_weight, pos_weight, ids, g,
                                   block_v=config.block_v, compute_counts=config.compute_metrics,
-                                  focal=config.focal, cpu_kernel=config.cpu_kernel)
+                                  loss=config.loss, cpu_kernel=config.cpu_kernel)
 
 
 def _counted(config, predicted, hits):
@@ -79,7 +79,7 @@ def _pallas_forward(config, hidden, item_weight, bias, class_weight, pos_weight,
 
     rows, predicted, hits = pallas_forward(hidden, item_weight, bias, class_weight, pos_weight, ids,
                                            compute_counts=config.compute_metrics,
-                                           block_sizes=config.block_sizes, focal=config.focal)
+                                           block_sizes=config.block_sizes, loss=config.loss)
     return rows, _counted(config, predicted, hits)
 
 
@@ -87,7 +87,7 @@ def _pallas_backward(config, hidden, item_weight, bias, class_weight, pos_weight
     from jax_kernels.pallas.launch import pallas_backward
 
     return pallas_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, g,
-                           block_sizes=config.block_sizes, focal=config.focal)
+                           block_sizes=config.block_sizes, loss=config.loss)
 
 
 def _pallas_value_and_grad(config, hidden, item_weight, bias, class_weight, pos_weight, ids, g):
@@ -95,7 +95,7 @@ def _pallas_value_and_grad(config, hidden, item_weight, bias, class_weight, pos_
 
     rows, predicted, hits, *grads = pallas_value_and_grad(
         hidden, item_weight, bias, class_weight, pos_weight, ids, g, compute_counts=config.compute_metrics,
-        block_sizes=config.block_sizes, focal=config.focal)
+        block_sizes=config.block_sizes, loss=config.loss)
     return (rows, _counted(config, predicted, hits), *grads)
 
 

@@ -22,6 +22,16 @@ probability given to the element's own label. In logit space, with `u = -z` at a
 
 gamma = 0 without balancing is the plain loss above.
 
+Label smoothing (`label_smoothing=eps`, Keras' `label_smoothing` of `binary_crossentropy` and of
+`BinaryFocalCrossentropy`): every element's target is `t = y (1 - eps) + eps / 2`, c = eps / 2:
+
+    l[n, v] = w[n, v] * (pos_weight[v] if y else 1) * a * q^gamma * B
+    B = t softplus(-z) + (1 - t) softplus(z)                    (BCE of the soft target)
+    q = 1 - p_t = t sigmoid(-z) + (1 - t) sigmoid(z)            (gamma = 0 without focal)
+    a = t alpha + (1 - t)(1 - alpha) with class balancing, else 1
+
+so `pos_weight` scales a positive's whole term, as it does under focal.
+
 Metrics: predicted positive iff z > 0; per position TP, FP, FN, TN counts times weight[n],
 summed over positions unless reduction is 'none'.
 
@@ -35,6 +45,7 @@ import jax.numpy as jnp
 
 from jax_kernels.arguments import prepare
 from jax_kernels.neutral.focal import check_focal
+from jax_kernels.neutral.loss import check_label_smoothing
 from jax_kernels.reduction import reduce_rows  # the tail shared with the entries: no engine in it
 
 
@@ -59,6 +70,7 @@ def dense_cut_bce(
     return_metrics: bool = False,
     compute_dtype=None,
     focal=None,
+    label_smoothing: float = 0.0,
 ):
     """The materializing reference of the module docstring's formula.
 
@@ -76,12 +88,14 @@ def dense_cut_bce(
         inputs). bfloat16 here reproduces "the dense reference run in the same dtype".
       focal: a `jax_kernels.Focal`: the focal loss of the module docstring, from its definition on
         the materialized logits; None: plain BCE.
+      label_smoothing: eps in [0, 1]: the module docstring's smoothed target (Keras').
 
     Returns:
       The loss (shape S for 'none', else a scalar), and with `return_metrics` a tuple of counts.
       Gradients come back in each input's dtype.
     """
     focal = check_focal(focal)
+    label_smoothing = check_label_smoothing(label_smoothing)
     size, a = prepare(hidden, item_weight, targets, bias, weight, class_weight, pos_weight,
                       reduction=reduction, block_v=None)
     hidden, item_weight, targets, bias = a["hidden"], a["item_weight"], a["targets"], a["bias"]
@@ -101,10 +115,10 @@ def dense_cut_bce(
     if class_weight is not None:
         w = w * class_weight.astype(compute_dtype)
     pw = 1.0 if pos_weight is None else pos_weight.astype(compute_dtype)
-    if focal is None:
+    if focal is None and not label_smoothing:
         elementwise = w * (pw * y * jax.nn.softplus(-z) + (1 - y) * jax.nn.softplus(z))
     else:
-        elementwise = w * _focal_elements(z, y, pw, focal)
+        elementwise = w * _smoothed_focal_elements(z, y, pw, focal, label_smoothing)
     rows = elementwise.sum(-1)
     loss = reduce_rows(rows, reduction, num_items).reshape(lead_shape if reduction == "none" else ())
     if not return_metrics:
@@ -126,14 +140,15 @@ def dense_cut_bce(
     return loss, tuple(counts)
 
 
-def _focal_elements(z, y, pw, focal):
-    """`s * sigmoid(u)^gamma * softplus(u)` of the module docstring, u = -z at positives, z elsewhere.
-
-    The definition in its stable logit-space form: softplus never overflows (jax.nn.softplus is
-    log(1 + exp) without cancellation for either sign), and `exp(-gamma softplus(-u))` is
-    sigmoid(u)^gamma without a power of a rounded probability (no 0^gamma, no log(0))."""
-    u = jnp.where(y > 0, -z, z)
-    balanced = focal.apply_class_balancing
-    scale = jnp.where(y > 0, pw * (focal.alpha if balanced else 1.0), (1 - focal.alpha) if balanced else 1.0)
-    return scale * jnp.exp(-focal.gamma * jax.nn.softplus(-u)) * jax.nn.softplus(u)
-
+def _smoothed_focal_elements(z, y, pw, focal, label_smoothing):
+    """`(pw if y else 1) a q^gamma B` of the module docstring, Keras' definition in logit space:
+    softplus never overflows, and `q^gamma = exp(gamma logaddexp(log t + log sigmoid(-z),
+    log(1 - t) + log sigmoid(z)))` is never a power of a rounded probability (no 0^gamma)."""
+    t = y * (1 - label_smoothing) + label_smoothing / 2
+    elements = t * jax.nn.softplus(-z) + (1 - t) * jax.nn.softplus(z)
+    if focal is not None:
+        log_q = jnp.logaddexp(jnp.log(t) + jax.nn.log_sigmoid(-z), jnp.log1p(-t) + jax.nn.log_sigmoid(z))
+        elements = elements * jnp.exp(focal.gamma * log_q)
+        if focal.apply_class_balancing:
+            elements = elements * (t * focal.alpha + (1 - t) * (1 - focal.alpha))
+    return elements * jnp.where(y > 0, pw, 1.0)

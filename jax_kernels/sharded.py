@@ -377,7 +377,7 @@ sharded_weighted_sum.defvjp(_weighted_sum_fwd, _weighted_sum_bwd)
 
 
 def sharded_loss(size, a, *, mesh, vocab_axis: AxisName, data_axis: AxisName, reduction: str,
-                 return_metrics: bool, impl: str, block_sizes, focal, num_items: int | None):
+                 return_metrics: bool, impl: str, block_sizes, loss, num_items: int | None):
     """The loss of `jax_kernels.cut_bce(..., mesh=)` on arguments its `prepare` has checked.
 
     Each device loops over its own `V / vocab_shards` items and `N / data_shards` positions; the
@@ -404,7 +404,7 @@ def sharded_loss(size, a, *, mesh, vocab_axis: AxisName, data_axis: AxisName, re
     local_items = -(-size.num_items // axis_size(mesh, vocab_axis))
     config = call_config(block_v=block_v, num_positions=local_n, num_items=local_items,
                          impl=resolve_impl(impl, hidden.dtype), compute_metrics=return_metrics,
-                         block_sizes=block_sizes, focal=focal)
+                         block_sizes=block_sizes, loss=loss)
     layout = ShardedLayout(mesh, vocab_axis, data_axis, config, None if catalog == size.num_items else catalog)
 
     def loss(hidden, item_weight, targets, bias, class_weight, pos_weight, weight):

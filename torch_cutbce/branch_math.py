@@ -75,27 +75,21 @@ def sigmoid(u, e, out=None):
     return torch.div(torch.where(u >= 0, 1.0, e), e + 1, out=out)
 
 
-def gamma_split(gamma: float) -> tuple[int, float]:
-    """`(k, f)` with gamma = k + f, k an integer (static: `focal_factor` unrolls e^k) and f in [0, 1)."""
-    k = int(gamma)
-    return k, gamma - k
-
-
 def focal_factor(u, e, tail, gamma, k: int, f):
     """`sigmoid(u)^gamma = exp(-gamma softplus(-u))`, split so that no large exp argument is rounded.
 
-    With gamma = k + f (`gamma_split`) and `softplus(-u) = max(-u, 0) + tail`:
+    With gamma = k + f (k an integer, f in [0, 1)) and `softplus(-u) = max(-u, 0) + tail`:
 
         sigmoid(u)^gamma = exp(-gamma tail - f max(-u, 0)) (e if u < 0 else 1)^k
 
     `exp(-gamma softplus(-u))` taken at once carries the rounding of `gamma |u|` into the result;
     here e^k is k roundings and `f |u|` has f < 1 (benchmarks/NOTES.md section 11). `gamma` and `f`
     are floats or 0-d tensors (a compiled tile's inputs: one kernel serves every gamma with this k);
-    f is None or 0.0 when gamma is an integer, and its term is left out: at u = -inf (a positive
-    taken out of its tile) 0 * inf would be NaN, where e = 0 makes the factor 0.
+    f is None when gamma is an integer, and its term is left out: at u = -inf (a positive taken out
+    of its tile) 0 * inf would be NaN, where e = 0 makes the factor 0.
     """
     exponent = tail * -gamma
-    if f is not None and not (isinstance(f, float) and f == 0.0):
+    if f is not None:
         exponent.add_(torch.clamp_max(u, 0).mul_(f))  # - f max(-u, 0), exactly
     factor = exponent.exp_()
     return factor.mul_(_integer_power(torch.where(u < 0, e, 1.0), k)) if k else factor
@@ -113,26 +107,60 @@ def _integer_power(x, k: int):
     return result
 
 
-def focal_terms(u, e, gamma, k: int, f):
-    """`(term(u), term'(u))` of focal CutBCE (module docstring) from `e = exp(-|u|)`; gamma = k + f
-    as `focal_factor` takes them."""
+def loss_terms(u, e, form, numbers):
+    """`(term(u), term'(u))` of a `jax_kernels.neutral.loss.Loss` given as its `form()` and
+    `numbers()` (floats, or a compiled tile's 0-d tensors), before the branch scale, from
+    `e = exp(-|u|)`. The formulas: the Loss module's docstring; with c = 0 the focal factor is
+    `focal_factor`'s exact split, with c > 0 `q^gamma = exp(gamma log q)` (q >= c: no log of 0).
+
+        B = (1 - c) max(u, 0) + c max(-u, 0) + log1p(e)         B' = sigmoid(u) - c
+        term' = q^gamma (B' + gamma (1 - 2c) sigmoid(u) sigmoid(-u) B / q)
+    """
     tail = log1p_tail(e)
-    factor = focal_factor(u, e, tail, gamma, k, f)
-    plus = softplus(u, e, tail)
     one_plus_e, flip = e + 1, u >= 0
     sigmoid_u = torch.where(flip, 1.0, e).div_(one_plus_e)
-    slope = torch.where(flip, e, 1.0).div_(one_plus_e).mul_(gamma).mul_(plus).add_(sigmoid_u).mul_(factor)
-    return plus.mul_(factor), slope  # slope: sigmoid(-u) gamma softplus(u) + sigmoid(u), times the factor
-
-
-def branch_terms(z, positive: bool, gamma: float | None = None):
-    """`(loss, slope)` of every element of `z` on one branch, before any weight: a negative's
-    `(softplus(z), sigmoid(z))` or a positive's `(softplus(-z), -sigmoid(-z))`; with `gamma`
-    (a float > 0, or None for plain BCE), focal's `term` and its slope. `slope` is d loss / dz."""
-    u = -z if positive else z
-    e = exp_neg_abs(u)
-    if gamma is None:
-        loss, slope = softplus(u, e), sigmoid(u, e)
+    c = numbers.half_smoothing
+    if form.smoothing:
+        plus = torch.clamp_min(u, 0).mul_(1 - c).add_(torch.clamp_max(u, 0).mul_(-c)).add_(tail)
+        slope = sigmoid_u - c
     else:
-        loss, slope = focal_terms(u, e, gamma, *gamma_split(gamma))
+        plus, slope = softplus(u, e, tail), sigmoid_u
+    if not form.focal:
+        return plus, slope
+    sigmoid_flip = torch.where(flip, e, 1.0).div_(one_plus_e)
+    if form.smoothing:
+        q = sigmoid_u * (1 - 2 * c) + c
+        factor = torch.log(q).mul_(numbers.gamma).exp_()
+        bend = sigmoid_u * sigmoid_flip * (1 - 2 * c) / q
+    else:
+        factor = focal_factor(u, e, tail, numbers.gamma, form.power, numbers.fraction if form.fraction else None)
+        bend = sigmoid_flip
+    slope = bend.mul_(numbers.gamma).mul_(plus).add_(slope).mul_(factor)
+    return plus.mul_(factor), slope
+
+
+def form_terms(z, positive: bool, form, numbers):
+    """`branch_terms` for a Loss given as its `form()` and `numbers()` (a compiled tile's way)."""
+    u = -z if positive else z
+    loss, slope = loss_terms(u, exp_neg_abs(u), form, numbers)
+    if form.balanced:
+        scale = numbers.positive_scale if positive else numbers.negative_scale
+        loss, slope = loss.mul_(scale), slope.mul_(scale)
+    if form.smoothing and not positive:
+        # z = -inf marks a positive taken out of its tile: it adds nothing (smoothing's c |u| is inf there).
+        loss = loss.masked_fill_(z == float("-inf"), 0.0)
     return loss, (slope.neg_() if positive else slope)  # du/dz = -1 at a positive
+
+
+def branch_terms(z, positive: bool, loss=None):
+    """`(loss, slope)` of every element of `z` on one branch, before any weight: a negative's
+    `(softplus(z), sigmoid(z))` or a positive's `(softplus(-z), -sigmoid(-z))` for plain BCE (None
+    or a plain Loss); for a `jax_kernels.neutral.loss.Loss`, its term and slope times its class
+    balance (`loss_terms`). `slope` is d loss / dz. A negative at z = -inf (a positive taken out of
+    its tile) has loss 0 and slope 0 where the tile masks its gradient (`fused_tile`)."""
+    if loss is None or loss.plain:
+        u = -z if positive else z
+        e = exp_neg_abs(u)
+        plain, slope = softplus(u, e), sigmoid(u, e)
+        return plain, (slope.neg_() if positive else slope)
+    return form_terms(z, positive, loss.form(), loss.numbers())

@@ -99,7 +99,7 @@ def jax_static(options: str, num_positions: int, num_items: int, dtype_name: str
     # tile for the whole problem (N x V), as the torch entry once did.
     config = jax_core.call_config(block_v=o.block_v, num_positions=num_positions, num_items=num_items,
                                   impl=resolve_impl(o, dtype_name, on_tpu), compute_metrics=o.compute_metrics,
-                                  focal=o.focal, cpu_kernel=False)
+                                  loss=o.loss, cpu_kernel=False)
     if not o.mesh_shape:
         return {"config": config, "layout": None}
     layout = jax_sharded.abstract_layout(o.mesh_shape, o.mesh_axes, o.vocab_axis, o.data_axis, config)

@@ -86,7 +86,7 @@ def _dense(flat, weight, options, reduction):
     check_ids_below_vocab(targets, item_weight.shape[0])
     return dense_bce_with_logits(hidden, item_weight, targets, bias, weight=weight, class_weight=class_weight,
                                  pos_weight=pos_weight, reduction=reduction, return_metrics=True,
-                                 focal=options.focal)
+                                 **options.loss.arguments())
 
 
 def _dense_rows(flat, options, vocab_parallel):

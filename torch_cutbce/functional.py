@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from jax_kernels.neutral.focal import Focal, check_focal
+from jax_kernels.neutral.focal import Focal
+from jax_kernels.neutral.loss import Loss
 from jax_kernels.neutral.options import CutBCEOptions
 from jax_kernels.neutral.shapes import reduction_divisor
 from torch_cutbce import arguments, distributed, engines
@@ -50,6 +51,7 @@ def cut_bce_with_logits(
     data_axis: str | tuple[str, ...] | None = "data",
     vocab_parallel: VocabParallelOptions | None = None,
     focal: Focal | None = None,
+    label_smoothing: float = 0.0,
 ):
     """`BCEWithLogitsLoss(hidden @ item_weight.T + bias, multi_hot(targets))` without building the logits.
 
@@ -93,6 +95,9 @@ def cut_bce_with_logits(
       focal: a `Focal(gamma=2.0, alpha=0.25, apply_class_balancing=False)` for the focal loss
         (Keras `BinaryFocalCrossentropy` semantics; formulas: `jax_kernels/neutral/focal.py`), or None.
         gamma = 0 without balancing is plain BCE. Exact like the plain loss, on every backend.
+      label_smoothing: eps in [0, 1]: each element's target becomes `y (1 - eps) + eps / 2`
+        (Keras' `label_smoothing`; with focal, `BinaryFocalCrossentropy`'s). `pos_weight` scales a
+        positive's whole term, as under focal. Exact on every backend.
 
     Returns:
       The loss (float32, also for float16 / bfloat16 inputs; float64 for float64 inputs), or
@@ -110,7 +115,7 @@ def cut_bce_with_logits(
         hidden, item_weight, targets, bias, weight, class_weight, pos_weight = distributed.localize(
             layout, hidden, item_weight, targets, bias, weight, class_weight, pos_weight)
     backend = arguments.resolve_backend(backend, hidden)
-    focal = check_focal(focal)
+    loss = Loss(focal, label_smoothing)  # the per-element math, checked (its errors name the argument)
     arguments.check_parallel_options(backend, mesh, vocab_parallel, vocab_axis, data_axis)  # on the resolved backend
     engine = engines.select(backend, vocab_parallel)
     arguments.check_devices(
@@ -136,7 +141,7 @@ def cut_bce_with_logits(
     options = CutBCEOptions(
         block_v=size.block_v,
         compute_metrics=return_metrics,
-        focal=focal,
+        loss=loss,
         impl=engine.impl,
         **(arguments.mesh_layout(mesh, vocab_axis, data_axis) if engine.takes_mesh else {}),
         **({} if vocab_parallel is None else dict(offset=vocab_parallel.start, id_limit=vocab_parallel.num_items)),

@@ -2,25 +2,25 @@
 
 The tile holds every item's logit except the row's positives, which `positives.TilePositives` has
 set to -inf (their loss and gradient are 0 here; `positives.positive_terms` gives them their own
-branch). Each element's loss is `cw softplus(z)` and its gradient `g cw sigmoid(z)` (focal: `term`
-and its slope, `gamma` a float), both from one `e = exp(-|z|)`, exact to rounding for any z: the
+branch). Each element's loss is `cw softplus(z)` and its gradient `g cw sigmoid(z)` (another
+`Loss`: its `term` and slope), both from one `e = exp(-|z|)`, exact to rounding for any z: the
 math is `branch_math.py`'s, here only weighted, masked and summed.
 
-    rows(z, cw)                -> sum_v cw softplus(z)
-    rows_grad(z, cw, g, out)   -> the same, and writes dz = g cw sigmoid(z) into `out`
-    grad(z, cw, g, out)        -> writes dz into `out`
+    rows(z, cw, loss)                -> sum_v cw softplus(z)
+    rows_grad(z, cw, loss, g, out)   -> the same, and writes dz = g cw sigmoid(z) into `out`
+    grad(z, cw, loss, g, out)        -> writes dz into `out`
     counts(z)                  -> #{v : z > 0} per row (metrics)
 
 Plain float32 tiles on the CPU run one of three candidates (`TILES`): the C kernel
 `jax_kernels/neutral/cpu_tile.c` (built once per machine, one pass that may write dz over z:
 `writes_grad_in_place`), the `torch.compile`d version or the eager twin, whichever the first use on
 the machine timed fastest (`_measured_cpu_tile`, `jax_kernels/neutral/tile_choice.py`; `TORCH_CUTBCE_TILE`
-forces one). Other float32 tiles (CUDA, focal) run the `torch.compile`d version (one vectorized
+forces one). Other float32 tiles (CUDA, any other `Loss`) run the `torch.compile`d version (one vectorized
 loop per function) with log1p as a polynomial (`branch_math.log1p_tail`, 4e-9 relative: Sleef's
 log1p costs about 4 exps); everything else runs the eager twin (float64, a side of length 1,
 `TORCH_CUTBCE_NO_COMPILE=1`, no compiler). Rows are summed exactly at any width (`_row_sum`,
 `_eager_weighted_sum`). Why each choice, with timings: benchmarks/NOTES.md sections 1, 7 and 12.
-Each slow first-call step says so before it starts, as a `TileCompileWarning` (README, 'What the
+Each slow first-call step says so before it starts, as a `TileCompileWarning` (docs/install.md, 'What the
 first call says').
 """
 
@@ -35,6 +35,7 @@ import warnings
 import torch
 
 from jax_kernels.neutral import cpu_tile_build, tile_choice  # framework-neutral: no jax import
+from jax_kernels.neutral.loss import Numbers
 from torch_cutbce import branch_math
 
 _compile_seconds: dict[str, float] = {}
@@ -81,41 +82,38 @@ def _counts(z):
     return (z > 0).sum(-1, dtype=torch.float32)
 
 
-# Focal tiles (`jax_kernels/neutral/focal.py`): term(z) = sigmoid(z)^gamma softplus(z), gamma > 0.
-# gamma = k + f: the integer part k and whether f > 0 are constants of the compiled kernel (e^k
-# unrolled: the exact form of the factor, `branch_math.focal_factor`), gamma and f the tensor
-# `params` (every gamma with the same k and f > 0 shares a kernel). At z = -inf (a positive taken
-# out) the factor is 0, so the element adds 0 and its gradient is 0 (gamma = 0 runs the plain
-# functions instead).
+# Tiles of any other `Loss` (`jax_kernels/neutral/loss.py`): its `form()` is a constant of the
+# compiled kernel (focal's integer power unrolled: the exact form of the factor,
+# `branch_math.focal_factor`), its `numbers()` the tensor `params` (every Loss of one form shares
+# a kernel). At z = -inf (a positive taken out) the branch math adds 0; the gradient is masked here.
 
 
-def _focal_functions(k: int, fractional: bool) -> dict:
-    """The three focal tile functions for gamma = k + f (`fractional`: f > 0), taking `params` =
-    `[gamma, f]`. Each call makes new closures of the same code: dynamo keeps one compiled version
-    per split and thread count, up to its recompile limit (8; a process past it gets eager tiles)."""
+def _loss_functions(form) -> dict:
+    """The three tile functions of a `Loss` of this `form`, taking `params` = its numbers as a
+    tensor. Each call makes new closures of the same code: dynamo keeps one compiled version per
+    form and thread count, up to its recompile limit (8; a process past it gets eager tiles)."""
 
     def terms(z, params):
-        f = params[1] if fractional else None
-        return branch_math.focal_terms(z, branch_math.exp_neg_abs(z), params[0], k, f)
+        return branch_math.form_terms(z, False, form, Numbers(*params.unbind()))
 
-    def focal_rows(z, cw, params):
+    def loss_rows(z, cw, params):
         return _row_sum(terms(z, params)[0] * cw)
 
-    def focal_rows_grad(z, cw, params, g, out):
+    def loss_rows_grad(z, cw, params, g, out):
         term, slope = terms(z, params)
         out.copy_(_taken_out_to_zero(z, slope * (g * cw)))
         return _row_sum(term * cw)
 
-    def focal_grad(z, cw, params, g, out):
+    def loss_grad(z, cw, params, g, out):
         out.copy_(_taken_out_to_zero(z, terms(z, params)[1] * (g * cw)))
 
-    return {"focal_rows": focal_rows, "focal_rows_grad": focal_rows_grad, "focal_grad": focal_grad}
+    return {"loss_rows": loss_rows, "loss_rows_grad": loss_rows_grad, "loss_grad": loss_grad}
 
 
 @functools.lru_cache(maxsize=8)
-def _focal_params(gamma: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """`[gamma, f]` (`branch_math.gamma_split`) for the compiled focal functions."""
-    return torch.tensor([gamma, branch_math.gamma_split(gamma)[1]], dtype=dtype, device=device)
+def _loss_params(loss, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`loss.numbers()` as the compiled tile functions' `params` tensor."""
+    return torch.tensor(loss.numbers(), dtype=dtype, device=device)
 
 
 _FUNCTIONS = {"rows": _rows, "rows_grad": _rows_grad, "grad": _grad, "counts": _counts}
@@ -158,27 +156,23 @@ def _eager_grad(z, cw, g, out):
     _eager_dz_into(branch_math.sigmoid(z, branch_math.exp_neg_abs(z), out=out), z, cw, g)
 
 
-def _eager_focal_terms(z, gamma: float):
-    return branch_math.focal_terms(z, branch_math.exp_neg_abs(z), gamma, *branch_math.gamma_split(gamma))
+def _eager_loss_rows(z, cw, loss):
+    return _eager_weighted_sum(branch_math.branch_terms(z, False, loss)[0], cw)
 
 
-def _eager_focal_rows(z, cw, gamma):
-    return _eager_weighted_sum(_eager_focal_terms(z, gamma)[0], cw)
-
-
-def _eager_focal_rows_grad(z, cw, gamma, g, out):
-    term, slope = _eager_focal_terms(z, gamma)
+def _eager_loss_rows_grad(z, cw, loss, g, out):
+    term, slope = branch_math.branch_terms(z, False, loss)
     _eager_dz_into(out, z, cw, g, slope)
     return _eager_weighted_sum(term, cw)
 
 
-def _eager_focal_grad(z, cw, gamma, g, out):
-    _eager_dz_into(out, z, cw, g, _eager_focal_terms(z, gamma)[1])
+def _eager_loss_grad(z, cw, loss, g, out):
+    _eager_dz_into(out, z, cw, g, branch_math.branch_terms(z, False, loss)[1])
 
 
 _EAGER = {"rows": _eager_rows, "rows_grad": _eager_rows_grad, "grad": _eager_grad, "counts": _counts,
-          "focal_rows": _eager_focal_rows, "focal_rows_grad": _eager_focal_rows_grad,
-          "focal_grad": _eager_focal_grad}
+          "loss_rows": _eager_loss_rows, "loss_rows_grad": _eager_loss_rows_grad,
+          "loss_grad": _eager_loss_grad}
 
 
 # -- the CPU kernel (float32, plain BCE) -----------------------------------------------------------------
@@ -312,11 +306,11 @@ def _tile_for(name: str, z: torch.Tensor) -> str:
         tile = _plain_cpu_tile()
         return "eager" if tile == "compiled" and min(z.shape) < 2 else tile  # as _can_compile
     tile_choice.forced(TILES)  # not used on these paths, but a bad TORCH_CUTBCE_TILE is an error on every one
-    return "compiled" if _can_compile(z) else "eager"  # focal, CUDA, float64, bfloat16
+    return "compiled" if _can_compile(z) else "eager"  # another Loss, CUDA, float64, bfloat16
 
 
 @functools.cache
-def _compiled(name: str, threads: int, split: tuple[int, bool] | None = None):
+def _compiled(name: str, threads: int, form=None):
     # dynamic=True: the ragged last tile and every (N, block_v) share one compiled kernel.
     # cpp.threads: inductor bakes the thread count into the C++ (`omp parallel num_threads(2)`, or
     # no OpenMP at all for 1) but leaves it out of its on-disk cache key, so a kernel compiled in a
@@ -324,20 +318,20 @@ def _compiled(name: str, threads: int, split: tuple[int, bool] | None = None):
     # explicitly, it is part of the key (and a new thread count compiles anew).
     # fp-contract: the C++ compiler fuses the polynomials' multiply-adds into FMAs (one rounding
     # instead of two, so no less exact): about 10% off the tile function (benchmarks/NOTES.md section 7).
-    # split: a focal function's (k, f > 0) of gamma = k + f (`_focal_functions`).
+    # form: a Loss tile function's `Loss.form()` (`_loss_functions`).
     options = {"cpp.threads": threads, "cpp.enable_floating_point_contract_flag": "fast"}
-    function = _FUNCTIONS[name] if split is None else _focal_functions(*split)[name]
+    function = _FUNCTIONS[name] if form is None else _loss_functions(form)[name]
     return torch.compile(function, dynamic=True, fullgraph=True, options=options)
 
 
 class TileCompileWarning(UserWarning):
     """torch_cutbce's first-call messages: before the CPU kernel is built and before the CPU tiles
-    are timed (once per machine, with the tile then chosen), and before the plain or the focal tile
+    are timed (once per machine, with the tile then chosen), and before the plain or the other-`Loss` tile
     functions are first compiled in a process (once per process each)."""
 
 
 def _announce_compile(name: str, z: torch.Tensor) -> None:
-    what = "focal " if name.startswith("focal") else ""
+    what = "loss-option " if name.startswith("loss") else ""
     where = "CUDA (Triton)" if z.device.type == "cuda" else "the CPU"
     warnings.warn(
         f"torch_cutbce: compiling the float32 {what}tile functions for {where} with torch.compile, once per "
@@ -371,7 +365,7 @@ def _can_compile(z: torch.Tensor) -> bool:
 
 
 def _run(name: str, z: torch.Tensor, *args):
-    """`args` are `(cw, g, out)`, `(cw,)` or none (counts); focal functions take gamma (a float)
+    """`args` are `(cw, g, out)`, `(cw,)` or none (counts); the `loss_*` functions take the `Loss`
     after cw."""
     tile = _tile_for(name, z)
     if tile == "c_kernel":
@@ -382,30 +376,29 @@ def _run(name: str, z: torch.Tensor, *args):
 
 
 def _run_compiled(name: str, z: torch.Tensor, *args, announce: bool = True):
-    """`name`'s compiled function; its family's (plain or focal) first compile in the process is
+    """`name`'s compiled function; its family's (plain or other-`Loss`) first compile in the process is
     said first (`announce`: False while the tiles are being timed, which says so itself)."""
     global _compile_failed
     # One kernel per function, compiled once: dynamo guards on aliasing and on whether a small input
     # is a view, so a missing class weight becomes its own ones row (one multiply per element) and
     # the `[1, bv]` / `[bn, 1]` inputs are passed as tensors of their own (a copy of a few KiB).
-    # A focal gamma (a float) becomes its `_focal_params` tensor and the kernel's (k, f > 0).
-    split, tensors = None, args
-    if name.startswith("focal"):
-        whole, fraction = branch_math.gamma_split(args[1])
-        split, tensors = (whole, fraction > 0), (args[0], _focal_params(args[1], z.dtype, z.device), *args[2:])
+    # A Loss becomes its `_loss_params` tensor and the kernel's form.
+    form, tensors = None, args
+    if name.startswith("loss"):
+        form, tensors = args[1].form(), (args[0], _loss_params(args[1], z.dtype, z.device), *args[2:])
     compiled_args = [
         _ones_row(z.shape[1], z.dtype, z.device) if a is None and k == 0
         else (a.clone() if a is not None and k < 2 and a._base is not None else a)
         for k, a in enumerate(tensors)
     ]
     first = name not in _compile_seconds
-    focal = name.startswith("focal")
-    if announce and first and not any(key.startswith("focal") == focal for key in _compile_seconds):
+    family = name.startswith("loss")
+    if announce and first and not any(key.startswith("loss") == family for key in _compile_seconds):
         _announce_compile(name, z)
     start = time.perf_counter()
     try:
         with torch.no_grad():  # as inside the autograd Functions: one grad mode, one compiled kernel
-            out = _compiled(name, torch.get_num_threads(), split)(z, *compiled_args)
+            out = _compiled(name, torch.get_num_threads(), form)(z, *compiled_args)
     except Exception as error:  # a missing compiler, an inductor bug: the eager twin is exact too
         _compile_failed = True
         warnings.warn(f"torch_cutbce: torch.compile of the tile function failed ({error!r}); "
@@ -420,34 +413,23 @@ def _run_compiled(name: str, z: torch.Tensor, *args, announce: bool = True):
 # Shapes: z and out `[bn, bv]` (contiguous), cw `[1, bv]` or None, g `[bn, 1]`.
 
 
-def rows(z: torch.Tensor, cw: torch.Tensor | None) -> torch.Tensor:
-    """`sum_v cw[v] softplus(z[n, v])` `[bn]`: each row's loss over the tile's negatives."""
-    return _run("rows", z, cw)
+def rows(z: torch.Tensor, cw: torch.Tensor | None, loss) -> torch.Tensor:
+    """`sum_v cw[v] term(z[n, v])` `[bn]`: each row's loss over the tile's negatives (`loss`: a
+    `jax_kernels.neutral.loss.Loss`; plain: `term = softplus`)."""
+    return _run("rows", z, cw) if loss.plain else _run("loss_rows", z, cw, loss)
 
 
-def rows_grad(z: torch.Tensor, cw: torch.Tensor | None, g: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """`rows(z, cw)`, and writes `dz = g cw sigmoid(z)` for the row gradient `g` into `out`."""
-    return _run("rows_grad", z, cw, g, out)
+def rows_grad(z: torch.Tensor, cw: torch.Tensor | None, loss, g: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`rows(z, cw, loss)`, and writes `dz = g cw term'(z)` for the row gradient `g` into `out`."""
+    return _run("rows_grad", z, cw, g, out) if loss.plain else _run("loss_rows_grad", z, cw, loss, g, out)
 
 
-def grad(z: torch.Tensor, cw: torch.Tensor | None, g: torch.Tensor, out: torch.Tensor) -> None:
-    """Writes `dz = g cw sigmoid(z)` for the row gradient `g` into `out`."""
-    _run("grad", z, cw, g, out)
-
-
-def focal_rows(z, cw, gamma: float) -> torch.Tensor:
-    """`sum_v cw[v] sigmoid(z)^gamma softplus(z)` `[bn]`: the focal terms of the tile's negatives."""
-    return _run("focal_rows", z, cw, gamma)
-
-
-def focal_rows_grad(z, cw, gamma: float, g: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """`focal_rows(z, cw, gamma)`, and writes `dz = g cw d term / dz` into `out`."""
-    return _run("focal_rows_grad", z, cw, gamma, g, out)
-
-
-def focal_grad(z, cw, gamma: float, g: torch.Tensor, out: torch.Tensor) -> None:
-    """Writes the focal `dz` for the row gradient `g` into `out`."""
-    _run("focal_grad", z, cw, gamma, g, out)
+def grad(z: torch.Tensor, cw: torch.Tensor | None, loss, g: torch.Tensor, out: torch.Tensor) -> None:
+    """Writes `dz = g cw term'(z)` for the row gradient `g` into `out`."""
+    if loss.plain:
+        _run("grad", z, cw, g, out)
+    else:
+        _run("loss_grad", z, cw, loss, g, out)
 
 
 def counts(z: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from jax_kernels.neutral.focal import Focal, check_focal
+from jax_kernels.neutral.focal import Focal
+from jax_kernels.neutral.loss import Loss
 from jax_kernels.neutral.shapes import AxisName, check_block_v, check_reduction
 from torch_cutbce.arguments import check_backend, check_parallel_options
 from torch_cutbce.functional import cut_bce_with_logits
@@ -35,6 +36,7 @@ class CutBCEWithLogitsLoss(nn.Module):
         backend: str = "auto",
         return_metrics: bool = False,
         focal: Focal | None = None,
+        label_smoothing: float = 0.0,
         mesh=None,
         vocab_axis: AxisName = "model",
         data_axis: AxisName = "data",
@@ -42,7 +44,7 @@ class CutBCEWithLogitsLoss(nn.Module):
     ):
         super().__init__()
         # Checked here too, so a bad option fails where it is written, not at the first step: by
-        # the function's own rules (shapes, arguments, focal), so with its messages.
+        # the function's own rules (shapes, arguments, the loss options), so with its messages.
         check_reduction(reduction)
         check_backend(backend)
         check_parallel_options(backend, mesh, vocab_parallel, vocab_axis, data_axis)
@@ -50,7 +52,7 @@ class CutBCEWithLogitsLoss(nn.Module):
         self.block_v = check_block_v(block_v)
         self.backend = backend
         self.return_metrics = return_metrics
-        self.focal = check_focal(focal)
+        self.loss = Loss(focal, label_smoothing)
         self.mesh = mesh
         self.vocab_axis = vocab_axis
         self.data_axis = data_axis
@@ -63,14 +65,13 @@ class CutBCEWithLogitsLoss(nn.Module):
             hidden, item_weight, targets, bias,
             weight=weight, class_weight=self.class_weight, pos_weight=self.pos_weight,
             reduction=self.reduction, return_metrics=self.return_metrics,
-            block_v=self.block_v, backend=self.backend, focal=self.focal, mesh=self.mesh,
+            block_v=self.block_v, backend=self.backend, **self.loss.arguments(), mesh=self.mesh,
             vocab_axis=self.vocab_axis, data_axis=self.data_axis, vocab_parallel=self.vocab_parallel,
         )
 
     def extra_repr(self) -> str:
         parts = [f"reduction={self.reduction!r}", f"block_v={self.block_v}", f"backend={self.backend!r}"]
-        if self.focal is not None:
-            parts.append(f"focal={self.focal}")
+        parts += [f"{name}={value}" for name, value in self.loss.arguments().items() if value != Loss().arguments()[name]]
         if self.mesh is not None:
             shape = tuple(getattr(self.mesh, "mesh_shape", ()))
             parts += [f"mesh=Mesh({shape}, {tuple(self.mesh.axis_names)})",

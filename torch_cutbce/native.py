@@ -9,9 +9,10 @@ positive gets its own exact terms afterwards (`positives.positive_terms`, O(N L)
   upstream g[n], their gradients (each logits tile recomputed).
 - `loss_and_grads`: the 'sum' / 'mean' loss with its gradients computed in the same pass.
 
-Each takes the call's `jax_kernels.neutral.options.CutBCEOptions` (tile width, metrics, focal, the
-vocabulary-parallel offset): with `options.focal`, focal tile functions for the negatives and focal
-terms for the positives. The tile is sized here, for the rows that reach the tiles (`_tile_width`).
+Each takes the call's `jax_kernels.neutral.options.CutBCEOptions` (tile width, metrics, the
+vocabulary-parallel offset) and hands its `loss` (`jax_kernels.neutral.loss.Loss`) unopened to the
+tile functions and the positives' terms. The tile is sized here, for the rows that reach the tiles
+(`_tile_width`).
 
 How torch sees these functions (custom ops, autograd, torch.compile) is `ops.py`'s job.
 """
@@ -88,35 +89,10 @@ def _add_tile_grads(dz, items, h, start, stop, d_hidden, d_items, d_bias):
         torch.sum(dz, 0, out=d_bias[start:stop])
 
 
-class _NegativeTerms:
-    """The tile functions for the negatives, plain or focal (`jax_kernels/neutral/focal.py`), the class
-    weight the tiles use (scaled by 1 - alpha under focal class balancing), and whether they write
-    the gradient over the logits (`fused_tile.writes_grad_in_place`: the plain CPU kernel)."""
-
-    def __init__(self, class_weight, focal, num_items, dtype, device):
-        self.gamma = None
-        if focal is not None and focal.gamma != 0.0:
-            self.gamma = focal.gamma  # a float: fused_tile makes the compiled tiles' operand
-        scale = 1.0 if focal is None else focal.negative_scale
-        self.class_weight = class_weight
-        if scale != 1.0:
-            ones = torch.ones(num_items, dtype=dtype, device=device)
-            self.class_weight = (ones if class_weight is None else class_weight.to(dtype)) * scale
-        self.grad_in_place = self.gamma is None and fused_tile.writes_grad_in_place(dtype, device)
-
-    def rows(self, z, cw):
-        return fused_tile.rows(z, cw) if self.gamma is None else fused_tile.focal_rows(z, cw, self.gamma)
-
-    def rows_grad(self, z, cw, g, out):
-        if self.gamma is None:
-            return fused_tile.rows_grad(z, cw, g, out=out)
-        return fused_tile.focal_rows_grad(z, cw, self.gamma, g, out=out)
-
-    def grad(self, z, cw, g, out):
-        if self.gamma is None:
-            fused_tile.grad(z, cw, g, out=out)
-        else:
-            fused_tile.focal_grad(z, cw, self.gamma, g, out=out)
+def _grad_in_place(loss, h) -> bool:
+    """Whether the tiles' gradient may overwrite their logits (`fused_tile.writes_grad_in_place`:
+    the plain CPU kernel reads each element before writing it)."""
+    return loss.plain and fused_tile.writes_grad_in_place(h.dtype, h.device)
 
 
 def _metric_counts(fp, logits, ids, num_items):
@@ -139,28 +115,27 @@ def rows_forward(hidden, item_weight, bias, class_weight, pos_weight, targets, o
 
     `targets [N, L]` are global ids; ids outside the table's range are ignored like padding
     (vocab-parallel ranks pass their slice's start as `options.offset`). Reads `options.block_v`,
-    `compute_metrics`, `offset` and `focal`.
+    `compute_metrics`, `offset` and `loss`.
 
     Returns:
       `rows` `[N]`, `counts` `[4, N]` TP/FP/FN/TN (`[0, N]` without `compute_metrics`), and what the
       backward needs: each positive's logit `[N, L]` and the local positive ids `[N, L]`.
     """
-    block_v, compute_metrics, focal = _tile_width(options, hidden, item_weight), options.compute_metrics, \
-        options.focal
+    block_v, compute_metrics, loss = _tile_width(options, hidden, item_weight), options.compute_metrics, \
+        options.loss
     acc = positives.accumulation_dtype(hidden.dtype)
     n, num_items = hidden.shape[0], item_weight.shape[0]
     ids = positives.positive_ids(targets, num_items, options.offset)
     h = hidden.to(acc)
     rows = _row_sums(n, hidden.device)
     false_positives = torch.zeros(n, dtype=torch.float32, device=hidden.device)
-    negatives = _NegativeTerms(class_weight, focal, num_items, h.dtype, h.device)
-    tiles = _Tiles(h, item_weight, bias, negatives.class_weight, ids, block_v)
+    tiles = _Tiles(h, item_weight, bias, class_weight, ids, block_v)
     for _, _, z, _, _, cw in tiles:
         if compute_metrics:
             false_positives += fused_tile.counts(z)
-        rows += negatives.rows(z, cw)
+        rows += fused_tile.rows(z, cw, loss)
     logits = tiles.positives.logits
-    rows += positives.positive_terms(logits, ids, class_weight, pos_weight, focal=focal)[0].sum(-1)
+    rows += positives.positive_terms(logits, ids, class_weight, pos_weight, loss)[0].sum(-1)
     if compute_metrics:
         counts = _metric_counts(false_positives, logits, ids, num_items)
     else:
@@ -171,20 +146,19 @@ def rows_forward(hidden, item_weight, bias, class_weight, pos_weight, targets, o
 def rows_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, logits, g, need, options):
     """Gradients of `sum_n g[n] rows[n]`: `(d_hidden, d_items, d_bias)` in the accumulation dtype,
     None where `need` (three bools) says no. Recomputes every logits tile (a fourth matmul per tile).
-    Reads `options.block_v` and `focal`."""
-    block_v, focal = _tile_width(options, hidden, item_weight), options.focal
+    Reads `options.block_v` and `loss`."""
+    block_v, loss = _tile_width(options, hidden, item_weight), options.loss
     h = hidden.to(positives.accumulation_dtype(hidden.dtype))
     g = g.to(h.dtype)
     g_column = g.unsqueeze(-1).clone()  # not a view: the compiled tile functions take it as is
     d_hidden, d_items, d_bias = _grad_buffers(h, item_weight, bias, *need)
     if any(need):
-        negatives = _NegativeTerms(class_weight, focal, item_weight.shape[0], h.dtype, h.device)
-        tiles = _Tiles(h, item_weight, bias, negatives.class_weight, ids, block_v, with_grad=True,
-                       keep_logits=False, grad_in_place=negatives.grad_in_place)
+        tiles = _Tiles(h, item_weight, bias, class_weight, ids, block_v, with_grad=True,
+                       keep_logits=False, grad_in_place=_grad_in_place(loss, h))
         for start, stop, z, dz, items, cw in tiles:
-            negatives.grad(z, cw, g_column, out=dz)
+            fused_tile.grad(z, cw, loss, g_column, out=dz)
             _add_tile_grads(dz, items, h, start, stop, d_hidden, d_items, d_bias)
-        dz_positives = positives.positive_terms(logits, ids, class_weight, pos_weight, g, focal=focal)[1]
+        dz_positives = positives.positive_terms(logits, ids, class_weight, pos_weight, loss, g)[1]
         positives.add_positive_grads(dz_positives, ids, h, item_weight, d_hidden, d_items, d_bias)
     return d_hidden, d_items, d_bias
 
@@ -192,7 +166,7 @@ def rows_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, logi
 def loss_and_grads(hidden, item_weight, bias, weight, class_weight, pos_weight, targets, divisor, need, options):
     """The 'sum' / 'mean' loss `sum_n weight[n] rows[n] / divisor` and its gradients, in one pass.
 
-    Reads `options.block_v`, `compute_metrics`, `offset` and `focal`.
+    Reads `options.block_v`, `compute_metrics`, `offset` and `loss`.
 
     The row gradient `g[n] = weight[n] / divisor` is known before the forward, so each logits tile
     serves the loss, `d_hidden += dz @ items` and `d_items[tile] = dz.T @ h` (3 matmuls per tile,
@@ -203,8 +177,8 @@ def loss_and_grads(hidden, item_weight, bias, weight, class_weight, pos_weight, 
       `weight` and summed; gradients (for an upstream 1) in the accumulation dtype, None where `need`
       (three bools) says no.
     """
-    block_v, compute_metrics, focal = _tile_width(options, hidden, item_weight), options.compute_metrics, \
-        options.focal
+    block_v, compute_metrics, loss = _tile_width(options, hidden, item_weight), options.compute_metrics, \
+        options.loss
     acc = positives.accumulation_dtype(hidden.dtype)
     num_items, n = item_weight.shape[0], hidden.shape[0]
     ids = positives.positive_ids(targets, num_items, options.offset)  # global ids -> the table's (as rows_forward)
@@ -217,20 +191,19 @@ def loss_and_grads(hidden, item_weight, bias, weight, class_weight, pos_weight, 
     with_grads = any(need)
     rows = _row_sums(n, h.device)
     false_positives = torch.zeros(n, dtype=torch.float32, device=h.device)
-    negatives = _NegativeTerms(class_weight, focal, num_items, acc, h.device)
-    tiles = _Tiles(h, item_weight, bias, negatives.class_weight, ids, block_v, with_grads,
-                   grad_in_place=negatives.grad_in_place)
+    tiles = _Tiles(h, item_weight, bias, class_weight, ids, block_v, with_grads,
+                   grad_in_place=_grad_in_place(loss, h))
     for start, stop, z, dz, items, cw in tiles:
         if compute_metrics:
             false_positives += fused_tile.counts(z)
         if with_grads:
-            rows += negatives.rows_grad(z, cw, g_column, out=dz)
+            rows += fused_tile.rows_grad(z, cw, loss, g_column, out=dz)
             _add_tile_grads(dz, items, h, start, stop, d_hidden, d_items, d_bias)
         else:
-            rows += negatives.rows(z, cw)
+            rows += fused_tile.rows(z, cw, loss)
     logits = tiles.positives.logits
     loss_positives, dz_positives = positives.positive_terms(
-        logits, ids, class_weight, pos_weight, g if with_grads else None, focal=focal)
+        logits, ids, class_weight, pos_weight, loss, g if with_grads else None)
     rows += loss_positives.sum(-1)
     if with_grads:
         positives.add_positive_grads(dz_positives, ids, h, item_weight, d_hidden, d_items, d_bias)

@@ -81,13 +81,13 @@ class TilePositives:
         return out.index_copy_(0, self.where, self.sorted_logits).view(self.shape)
 
 
-def positive_terms(logits, ids, class_weight, pos_weight, g=None, focal=None):
+def positive_terms(logits, ids, class_weight, pos_weight, loss, g=None):
     """Each positive's own loss and gradient: `[N, L]` loss and, with the row gradient `g` `[N]`, dz.
 
-    `loss = w softplus(-z)`, `dz = -g w sigmoid(-z)`, `w = cw pw`, at valid ids (`ids >= 0`), exactly
-    0 elsewhere (`where`, not a product: a padded slot's undefined logit never leaks in). With a
-    `jax_kernels.neutral.focal.Focal`, the focal term of u = -z and `w = cw pw positive_scale`; the
-    math is `branch_math.branch_terms`'. Weights are `[V]` or None; computed in `logits`' dtype.
+    `loss = w term(-z)`, `dz = g w d term(-z) / dz`, `w = cw pw`, at valid ids (`ids >= 0`), exactly
+    0 elsewhere (`where`, not a product: a padded slot's undefined logit never leaks in). The term
+    of the call's `jax_kernels.neutral.loss.Loss` (plain: softplus) and its class balance are
+    `branch_math.branch_terms`'. Weights are `[V]` or None; computed in `logits`' dtype.
     """
     valid = ids >= 0
     index = ids.clamp(min=0)
@@ -96,19 +96,16 @@ def positive_terms(logits, ids, class_weight, pos_weight, g=None, focal=None):
         if w is not None:
             w = w.to(logits.dtype)[index]
             weight = w if weight is None else weight * w
-    if focal is not None and focal.positive_scale != 1.0:
-        weight = focal.positive_scale if weight is None else weight * focal.positive_scale
-    gamma = None if focal is None or focal.gamma == 0.0 else focal.gamma
-    loss, slope = branch_math.branch_terms(logits, True, gamma)  # slope: d loss / dz
+    value, slope = branch_math.branch_terms(logits, True, loss)  # slope: d loss / dz
     if weight is not None:
-        loss = loss * weight
-    loss = torch.where(valid, loss, 0.0)
+        value = value * weight
+    value = torch.where(valid, value, 0.0)
     if g is None:
-        return loss, None
+        return value, None
     dz = slope * g.unsqueeze(-1)
     if weight is not None:
         dz = dz * weight
-    return loss, torch.where(valid, dz, 0.0)
+    return value, torch.where(valid, dz, 0.0)
 
 
 def add_positive_grads(dz, ids, h, item_weight, d_hidden, d_items, d_bias):

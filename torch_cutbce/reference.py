@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from jax_kernels.neutral.focal import check_focal
+from jax_kernels.neutral.loss import check_label_smoothing
 from torch_cutbce.metrics import CutBCEMetrics
 from torch_cutbce.targets import ids_to_multi_hot
 
@@ -28,8 +29,14 @@ def dense_bce_with_logits(
     reduction: str = "mean",
     return_metrics: bool = False,
     focal=None,
+    label_smoothing: float = 0.0,
 ):
     """CutBCE's loss computed the O(N V)-memory way. Arguments as `cut_bce_with_logits`.
+
+    With `label_smoothing` eps, torch's BCE of the smoothed target `y (1 - eps) + eps / 2` (Keras'
+    definition), times `pos_weight` at a positive (a weight on the positive's whole term, as under
+    focal; `BCEWithLogitsLoss(pos_weight=)` would weight the smoothed target's positive part of
+    every element instead).
 
     With `focal` (a `jax_kernels.neutral.focal.Focal`) the focal loss, written from its definition in logit
     space and independent of the engines' formulas: each element's BCE `log(1 + exp(u))` (u the
@@ -57,12 +64,12 @@ def dense_bce_with_logits(
             elem_weight = elem_weight * weight.unsqueeze(-1)
         if class_weight is not None:
             elem_weight = elem_weight * class_weight
-    if focal is not None:
-        check_focal(focal)  # a TypeError / ValueError naming focal, as every entry gives
-    if focal is None:
+    focal = check_focal(focal)  # a TypeError / ValueError naming focal, as every entry gives
+    label_smoothing = check_label_smoothing(label_smoothing)
+    if focal is None and not label_smoothing:
         elementwise = F.binary_cross_entropy_with_logits(logits, multi_hot, pos_weight=pos_weight, reduction="none")
     else:
-        elementwise = _focal_elementwise(logits, multi_hot, pos_weight, focal)
+        elementwise = _smoothed_focal_elementwise(logits, multi_hot, pos_weight, focal, label_smoothing)
     if elem_weight is not None:
         # Same as BCE's weight= argument (an elementwise factor), but differentiable in `weight`.
         elementwise = elementwise * elem_weight
@@ -88,13 +95,19 @@ def dense_bce_with_logits(
     return loss, CutBCEMetrics(*counts).reshape(lead_shape if reduction == "none" else ())
 
 
-def _focal_elementwise(logits, multi_hot, pos_weight, focal):
-    """`[*S, V]` focal terms: `(1 - p_t)^gamma * BCE`, from logsigmoid and logaddexp (stable for any logit)."""
-    u = logits * (1 - 2 * multi_hot)  # the logit seen from each element's own label
-    bce = torch.logaddexp(u, torch.zeros_like(u))
-    terms = torch.exp(focal.gamma * F.logsigmoid(u)) * bce
-    positive_factor = torch.ones_like(logits) if pos_weight is None else pos_weight.expand_as(logits)
-    if focal.apply_class_balancing:
-        positive_factor = positive_factor * focal.alpha
-        return terms * torch.where(multi_hot > 0, positive_factor, 1 - focal.alpha)
-    return terms * torch.where(multi_hot > 0, positive_factor, 1.0)
+def _smoothed_focal_elementwise(logits, multi_hot, pos_weight, focal, label_smoothing):
+    """`[*S, V]` Keras terms on the smoothed target `t = y (1 - eps) + eps / 2`: torch's BCE of t,
+    times `(1 - p_t)^gamma` with `1 - p_t = t sigmoid(-z) + (1 - t) sigmoid(z)` (from logsigmoid:
+    no power of a rounded probability), times `t alpha + (1 - t)(1 - alpha)` with class balancing,
+    times pos_weight at a positive."""
+    target = multi_hot * (1 - label_smoothing) + label_smoothing / 2
+    terms = F.binary_cross_entropy_with_logits(logits, target, reduction="none")
+    if focal is not None:
+        one_minus_p = torch.logaddexp(torch.log(target) + F.logsigmoid(-logits),
+                                      torch.log1p(-target) + F.logsigmoid(logits))
+        terms = terms * torch.exp(focal.gamma * one_minus_p)
+        if focal.apply_class_balancing:
+            terms = terms * (target * focal.alpha + (1 - target) * (1 - focal.alpha))
+    if pos_weight is not None:
+        terms = terms * torch.where(multi_hot > 0, pos_weight, 1.0)
+    return terms

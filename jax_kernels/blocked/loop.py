@@ -11,9 +11,9 @@ loss never meets a softplus(z) it would cancel against (docs/design.md, 'The mat
   row, its loss `cw pw softplus(-z)` and gradient `-g cw pw sigmoid(-z)`, added to the rows and to
   the gradients after the loop.
 
-Focal CutBCE (`focal`): the same two branches with softplus(u) and its slope replaced by focal's
-`term(u)` and `term'(u)` (u = z for a negative, -z at a positive; `branch_math.focal_terms`), times
-its class balance. Metrics: the tiles count their negatives with z > 0, the positives their hits.
+Another `Loss` (focal, label smoothing): the same two branches with softplus(u) and its slope
+replaced by the loss's `term(u)` and `term'(u)` (u = z for a negative, -z at a positive; the Loss
+goes unopened to `branch_math.branch_terms`). Metrics: the tiles count their negatives with z > 0, the positives their hits.
 
 Three loops: forward; backward (recomputes each tile: four matmuls per tile in all); and
 forward-with-gradient for a row gradient `g` known up front (scalar reductions: three matmuls).
@@ -40,11 +40,11 @@ from jax_kernels.positives import accumulation_dtype
 class _Table:
     """The operands every tile reads: `h` in the accumulation dtype, the table and its `[V]` rows."""
 
-    def __init__(self, hidden, item_weight, bias, class_weight, pos_weight, ids, block_v, focal=None,
+    def __init__(self, hidden, item_weight, bias, class_weight, pos_weight, ids, block_v, loss=None,
                  cpu_kernel=True):
         self.acc = accumulation_dtype(hidden.dtype)
-        self.focal = focal
-        self.negatives = negative_tile.NegativeTile(focal, cpu_kernel)
+        self.loss = loss
+        self.negatives = negative_tile.NegativeTile(loss, cpu_kernel)
         self.h = hidden.astype(self.acc)
         self.item_weight, self.ids = item_weight, ids
         self.bias, self.class_weight, self.pos_weight = (
@@ -99,7 +99,7 @@ class _Positives:
         if t.pos_weight is not None:
             weight = weight * t.pos_weight[at]
         self.weight = weight
-        self.loss, self.slope = branch_terms(self.logits, True, t.focal)
+        self.loss, self.slope = branch_terms(self.logits, True, t.loss)
 
     def rows(self):
         """`[N]`: `sum_l cw pw loss` over each row's positives."""
@@ -128,7 +128,7 @@ def _two_sum(total, compensation, x):
     back = new_total - total
     error = (total - (new_total - back)) + (x - back)
     # An infinite total has no rounding error to keep: TwoSum's inf - inf would make it NaN, where
-    # the README's infinities table says +inf (a +inf logit at a negative).
+    # docs/precision.md's infinities table says +inf (a +inf logit at a negative).
     return new_total, compensation + jnp.where(jnp.isfinite(new_total), error, 0)
 
 
@@ -139,11 +139,11 @@ def _counts(negatives_above_zero, p: _Positives):
 
 
 def blocked_forward(hidden, item_weight, bias, class_weight, pos_weight, ids, *, block_v: int, compute_counts: bool,
-                    focal=None, cpu_kernel: bool = True):
+                    loss=None, cpu_kernel: bool = True):
     """Returns `(rows [N], counts [2, N] float32 or None)`: the rows in the accumulation dtype, and
     the predicted positives and hits (positives with z > 0) per row. `ids`: `positives.positive_ids`.
     `cpu_kernel`: whether the tiles may run `negative_tile`'s C kernel on the CPU (core.CutBCEConfig)."""
-    t = _Table(hidden, item_weight, bias, class_weight, pos_weight, ids, block_v, focal, cpu_kernel)
+    t = _Table(hidden, item_weight, bias, class_weight, pos_weight, ids, block_v, loss, cpu_kernel)
     n = hidden.shape[0]
 
     def body(j, carry):
@@ -160,7 +160,7 @@ def blocked_forward(hidden, item_weight, bias, class_weight, pos_weight, ids, *,
 
 
 def blocked_value_and_grad(hidden, item_weight, bias, class_weight, pos_weight, ids, g, *, block_v: int,
-                           compute_counts: bool, focal=None, cpu_kernel: bool = True):
+                           compute_counts: bool, loss=None, cpu_kernel: bool = True):
     """Forward and backward in one loop, for an upstream gradient `g [N]` known before the forward.
 
     A scalar loss `sum_n g[n] rows[n]` (reductions 'mean' and 'sum') knows its row gradient up
@@ -168,7 +168,7 @@ def blocked_value_and_grad(hidden, item_weight, bias, class_weight, pos_weight, 
     three matmuls per tile instead of the four of forward + backward. Returns
     `(rows, counts or None, d_hidden, d_item_weight, d_bias or None)` in the accumulation dtype.
     """
-    t = _Table(hidden, item_weight, bias, class_weight, pos_weight, ids, block_v, focal, cpu_kernel)
+    t = _Table(hidden, item_weight, bias, class_weight, pos_weight, ids, block_v, loss, cpu_kernel)
     g = g.astype(t.acc)
     n = hidden.shape[0]
 
@@ -188,11 +188,11 @@ def blocked_value_and_grad(hidden, item_weight, bias, class_weight, pos_weight, 
     return (rows + (rows_error + p.rows()), counts, *p.add_grads(grads, t, g))
 
 
-def blocked_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, g, *, block_v: int, focal=None,
+def blocked_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, g, *, block_v: int, loss=None,
                      cpu_kernel: bool = True):
     """Gradients of `sum_n g[n] rows[n]`: `(d_hidden [N, D], d_item_weight [V, D], d_bias [V] or None)`
     in the accumulation dtype."""
-    t = _Table(hidden, item_weight, bias, class_weight, pos_weight, ids, block_v, focal, cpu_kernel)
+    t = _Table(hidden, item_weight, bias, class_weight, pos_weight, ids, block_v, loss, cpu_kernel)
     g = g.astype(t.acc)
 
     def body(j, grads):

@@ -2,8 +2,8 @@
 
 `z [N, bv]` holds every logit of the tile with the row's positives at -inf (their loss and
 gradient are 0 here; loop.py gives them their own branch). Every other element is a negative:
-loss `w softplus(z)`, gradient `g w sigmoid(z)` (or focal's terms; the math: `branch_math.py`),
-with `w [bv]` the tile's column weight. `NegativeTile(focal, cpu_kernel)` has
+loss `w softplus(z)`, gradient `g w sigmoid(z)` (or the `Loss`'s terms; the math: `branch_math.py`),
+with `w [bv]` the tile's column weight. `NegativeTile(loss, cpu_kernel)` has
 
     rows(z, w)          -> sum_v w loss                   [N]
     rows_grad(z, w, g)  -> (rows, dz)                     dz may reuse z's buffer
@@ -12,7 +12,7 @@ with `w [bv]` the tile's column weight. `NegativeTile(focal, cpu_kernel)` has
 On the CPU, float32 plain BCE runs the C kernel `cpu_tile.c` through XLA's FFI: one pass over the
 tile that writes dz over z, where XLA:CPU's own fusions read the tile several times and make the
 row sums a slow reduction (benchmarks/NOTES.md section 7). Everywhere else (GPU, TPU lowering,
-float64, focal, the torch_xla bridge, no C++ compiler, TORCH_CUTBCE_NO_COMPILE=1, or
+float64, another `Loss`, the torch_xla bridge, no C++ compiler, TORCH_CUTBCE_NO_COMPILE=1, or
 TORCH_CUTBCE_TILE=xla, or where the jnp tile was timed faster on this machine: `_measured_tile`)
 the same math runs as jnp. Both sum a row of any width to a few roundings (the kernel through a
 double, jnp pairwise on the CPU: `_halving_row_sum`).
@@ -133,8 +133,8 @@ def _weighted_row_sum(loss, w):
     return jax.lax.platform_dependent(loss, w, cpu=lambda x, w: _halving_row_sum(x * w), default=jnp.matmul)
 
 
-def _portable_rows(z, w, focal=None):
-    return _weighted_row_sum(branch_terms(z, False, focal)[0], w)
+def _portable_rows(z, w, loss=None):
+    return _weighted_row_sum(branch_terms(z, False, loss)[0], w)
 
 
 def _tile_grad(z, slope, w, g):
@@ -142,41 +142,42 @@ def _tile_grad(z, slope, w, g):
     return jnp.where(z == -jnp.inf, 0, g[:, None] * slope * w)
 
 
-def _portable_rows_grad(z, w, g, focal=None):
-    loss, slope = branch_terms(z, False, focal)
-    return _weighted_row_sum(loss, w), _tile_grad(z, slope, w, g)
+def _portable_rows_grad(z, w, g, loss=None):
+    value, slope = branch_terms(z, False, loss)
+    return _weighted_row_sum(value, w), _tile_grad(z, slope, w, g)
 
 
-def _portable_grad(z, w, g, focal=None):
-    return _tile_grad(z, branch_terms(z, False, focal)[1], w, g)
+def _portable_grad(z, w, g, loss=None):
+    return _tile_grad(z, branch_terms(z, False, loss)[1], w, g)
 
 
 # -- what loop.py calls -------------------------------------------------------------------------------
 
 
 class NegativeTile:
-    """The three tile functions for one call: focal or plain, kernel allowed or not (`cpu_kernel`:
-    core.CutBCEConfig's; the kernel runs only for plain float32 tiles lowered for the CPU)."""
+    """The three tile functions for one call: of its `Loss` (None: plain), kernel allowed or not
+    (`cpu_kernel`: core.CutBCEConfig's; the kernel runs only for plain float32 tiles lowered for
+    the CPU)."""
 
-    def __init__(self, focal=None, cpu_kernel: bool = True):
-        self.focal, self.cpu_kernel = focal, cpu_kernel
+    def __init__(self, loss=None, cpu_kernel: bool = True):
+        self.loss, self.cpu_kernel = loss, cpu_kernel
 
     def _kernel(self, z) -> bool:
         # A TPU or GPU host does not build the kernel (its computations lower for the accelerator).
-        return (self.cpu_kernel and self.focal is None and z.dtype == jnp.float32
+        return (self.cpu_kernel and (self.loss is None or self.loss.plain) and z.dtype == jnp.float32
                 and jax.default_backend() == "cpu" and not cpu_tile_build.disabled() and _kernel_chosen())
 
     def rows(self, z, w):
         if self._kernel(z):
             return _on_cpu(_kernel_rows, _portable_rows, z, w)
-        return _portable_rows(z, w, self.focal)
+        return _portable_rows(z, w, self.loss)
 
     def rows_grad(self, z, w, g):
         if self._kernel(z):
             return _on_cpu(_kernel_rows_grad, _portable_rows_grad, z, w, g)
-        return _portable_rows_grad(z, w, g, self.focal)
+        return _portable_rows_grad(z, w, g, self.loss)
 
     def grad(self, z, w, g):
         if self._kernel(z):
             return _on_cpu(_kernel_grad, _portable_grad, z, w, g)
-        return _portable_grad(z, w, g, self.focal)
+        return _portable_grad(z, w, g, self.loss)

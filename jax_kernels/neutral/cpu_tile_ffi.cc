@@ -1,4 +1,4 @@
-// XLA FFI handlers around cpu_tile.c, for the blocked loop on the CPU (jax_kernels/cpu_tile_jax.py).
+// XLA FFI handlers around cpu_tile.c, for the blocked loop on the CPU (jax_kernels/blocked/negative_tile.py).
 //
 //   cutbce_rows(z [n, v], cw [v])              -> rows [n]
 //   cutbce_rows_grad(z [n, v], cw [v], g [n])  -> dz [n, v], rows [n]    (dz may alias z)

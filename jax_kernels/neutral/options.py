@@ -21,11 +21,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from jax_kernels.neutral.focal import Focal, check_focal
+from jax_kernels.neutral.focal import Focal
+from jax_kernels.neutral.loss import Loss
 from jax_kernels.neutral.shapes import IMPL_CHOICES, AxisName, check_mesh_axes
-
-_FOCAL_FIELDS = ("alpha", "apply_class_balancing", "gamma")
-
 
 @dataclasses.dataclass(frozen=True)
 class CutBCEOptions:
@@ -35,8 +33,8 @@ class CutBCEOptions:
       block_v: the caller's vocabulary tile width, a positive int, or None: a 16 MiB float32 tile
         for the rows the engine sees (`shapes.tile_width`, called where the engine runs).
       compute_metrics: also count TP / FP / FN / TN.
-      focal: a `Focal`, or None for plain BCE (a Focal that is plain BCE is stored as None,
-        `check_focal`).
+      loss: the `jax_kernels.neutral.loss.Loss` (what is computed per element; the other fields
+        are the route: where and how it runs). The engines hand it unopened to the branch math.
       impl: the JAX engine behind the torch_xla bridge: 'auto' (Pallas on a TPU for float32 /
         bfloat16), 'blocked' or 'pallas' (`shapes.choose_impl`); unused by the native engine.
       mesh_shape, mesh_axes: the torch_xla SPMD mesh's shape and axis names; `()` for one device.
@@ -48,7 +46,7 @@ class CutBCEOptions:
 
     block_v: int | None = None
     compute_metrics: bool = False
-    focal: Focal | None = None
+    loss: Loss = Loss()
     impl: str = "auto"
     mesh_shape: tuple[int, ...] = ()
     mesh_axes: tuple[str, ...] = ()
@@ -62,7 +60,9 @@ class CutBCEOptions:
             _check_int("block_v", self.block_v, low=1)
         if not isinstance(self.compute_metrics, bool):
             raise TypeError(f"options compute_metrics must be a bool, got {self.compute_metrics!r}")
-        object.__setattr__(self, "focal", check_focal(self.focal))
+        if not isinstance(self.loss, Loss):
+            raise TypeError(f"options loss must be a Loss, got {self.loss!r}")
+        self.loss.__post_init__()  # checked again: a frozen dataclass can still be changed
         if self.impl not in IMPL_CHOICES:
             raise ValueError(f"options impl must be one of {IMPL_CHOICES}, got {self.impl!r}")
         self._set_mesh()
@@ -95,6 +95,8 @@ class CutBCEOptions:
 
 
 _FIELDS = tuple(sorted(field.name for field in dataclasses.fields(CutBCEOptions)))
+# Looked up, not computed, in `_json`: dynamo traces a dict lookup, not `dataclasses.fields`.
+_VALUE_FIELDS = {kind: tuple(sorted(field.name for field in dataclasses.fields(kind))) for kind in (Loss, Focal)}
 
 
 @functools.lru_cache(maxsize=256)
@@ -112,12 +114,9 @@ def decode(text: str) -> CutBCEOptions:
         if not isinstance(data, dict) or set(data) != set(_FIELDS):
             keys = sorted(data) if isinstance(data, dict) else type(data).__name__
             raise ValueError(f"expected a JSON object with the fields {list(_FIELDS)}, got {keys}")
-        focal = data["focal"]
-        if focal is not None:
-            if not isinstance(focal, dict) or set(focal) != set(_FOCAL_FIELDS):
-                raise ValueError(f"focal must be null or an object with the fields {list(_FOCAL_FIELDS)}, "
-                                 f"got {focal!r}")
-            data["focal"] = Focal(**focal)
+        if not isinstance(data["loss"], dict):
+            raise ValueError(f"loss must be an object of Loss fields, got {data['loss']!r}")
+        data["loss"] = Loss.from_arguments(data["loss"])
         return CutBCEOptions(**data)
     except (TypeError, ValueError) as error:  # json.JSONDecodeError is a ValueError
         raise ValueError(f"options {text!r} is not a CutBCEOptions.encode() string: {error}") from None
@@ -159,9 +158,10 @@ def _json(value) -> str:
     if isinstance(value, int):
         return f"{value}"
     if isinstance(value, float):
-        return f"{value!r}"  # finite (Focal checks): the shortest text that reads back as the same float
+        return f"{value!r}"  # finite (Loss checks): the shortest text that reads back as the same float
     if isinstance(value, str):
         return f'"{value}"'  # checked by _check_name: nothing to escape
-    if isinstance(value, Focal):
-        return "{" + ",".join([f'"{name}":{_json(getattr(value, name))}' for name in _FOCAL_FIELDS]) + "}"
+    names = _VALUE_FIELDS.get(type(value))  # the Loss and its parts: their fields, sorted
+    if names is not None:
+        return "{" + ",".join([f'"{name}":{_json(getattr(value, name))}' for name in names]) + "}"
     return "[" + ",".join([_json(item) for item in value]) + "]"

@@ -4,7 +4,7 @@
 `detect_chip()`, `vmem_estimate_bytes()` (a conservative model of a kernel's VMEM for one tile
 shape), `BlockSizes` (the user's override: frozen, hashable, validated) and `default_block_sizes()`
 (the largest MXU-aligned tiles that fit). The table's sources, the model's check against libtpu and
-the derived tiles: jax_kernels/README.md, 'Block sizes and the VMEM budget'.
+the derived tiles: docs/jax.md, 'Block sizes and the VMEM budget'.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def vmem_estimate_bytes(block_n: int, block_v: int, d: int, dtype, *, num_target
       f32 matmul result before it is accumulated.
     The table counts as `[block_v, d]` with d lane-padded also when the kernels take it as
     `[d, V]`, so the estimate is an upper bound there. Checked against libtpu's compile-only
-    client: jax_kernels/README.md, 'Block sizes and the VMEM budget'.
+    client: docs/jax.md, 'Block sizes and the VMEM budget'.
 
     Args:
         block_n: rows (positions) per tile.
@@ -252,7 +252,7 @@ def default_block_sizes(
 def tile_cost(
     block_n: int, block_v: int, d: int, dtype, *, num_targets: int = 1
 ) -> dict[str, float]:
-    """Flops and HBM bytes of one grid step of each kernel (the numbers in README.md).
+    """Flops and HBM bytes of one grid step of each kernel (the numbers in docs/jax.md).
 
     Returns:
         A dict with `flops` (one logits matmul: 2 * block_n * block_v * d) and, for each kernel, the

@@ -73,9 +73,9 @@ def _cost(static, itemsize, *, matmuls, transcendentals, table_passes, token_pas
     )
 
 
-def _focal_transcendentals(static):
-    """Per element, the exp of focal's modulating factor (`branch_math.focal_terms`): 1, or 0 plain."""
-    return 0 if static["focal"] is None else 1
+def _loss_transcendentals(static):
+    """Per element, the loss's exps and logs beyond plain BCE's (`Loss.transcendentals`)."""
+    return static["loss"].transcendentals()
 
 
 def _num_row_outputs(compute_counts, flags):
@@ -89,14 +89,14 @@ def forward_call(*operands, interpret, compute_counts, **static):
     grid = (n_pad // bs.block_n, pl.cdiv(v, bs.block_v))
     n_out = _num_row_outputs(compute_counts, flags)
     kernel = functools.partial(forward_kernel, flags=flags, compute_counts=compute_counts,
-                               focal=static["focal"],
+                               loss=static["loss"],
                                ragged_v=v % bs.block_v != 0, v_total=v, block_v=bs.block_v,
                                items_in_lanes=static["items_in_lanes"])
     return _pallas(
         kernel,
         bs=bs,
         cost=_cost(static, operands[0].dtype.itemsize, matmuls=1,
-                   transcendentals=2 + _focal_transcendentals(static),
+                   transcendentals=2 + _loss_transcendentals(static),
                    table_passes=grid[0], token_passes=1, written=n_out * n_pad * LANES * 4),
         grid=grid,
         in_specs=_input_specs(flags, bs, d, static["num_slots"], static["items_in_lanes"],
@@ -115,7 +115,7 @@ def d_hidden_call(*operands, interpret, with_rows=False, compute_counts=False, *
     grid = (n_pad // bs.block_n, pl.cdiv(v, bs.block_v))
     n_rows = _num_row_outputs(compute_counts, flags) if with_rows else 0
     kernel = functools.partial(d_hidden_kernel, flags=flags, with_rows=with_rows,
-                               compute_counts=compute_counts, focal=static["focal"],
+                               compute_counts=compute_counts, loss=static["loss"],
                                ragged_v=v % bs.block_v != 0,
                                v_total=v, block_v=bs.block_v,
                                items_in_lanes=static["items_in_lanes"])
@@ -127,11 +127,11 @@ def d_hidden_call(*operands, interpret, with_rows=False, compute_counts=False, *
     return _pallas(
         kernel,
         bs=bs,
-        # With the rows: softplus's log1p on top of the exp that sigmoid and softplus share (focal
-        # needs the log1p for its gradient too, and one more exp).
+        # With the rows: softplus's log1p on top of the exp that sigmoid and softplus share (a
+        # non-plain loss needs the log1p for its gradient too, and its own).
         cost=_cost(static, operands[0].dtype.itemsize, matmuls=2,
-                   transcendentals=1 + max(with_rows, static["focal"] is not None)
-                   + _focal_transcendentals(static), table_passes=grid[0], token_passes=1,
+                   transcendentals=1 + max(with_rows, not static["loss"].plain)
+                   + _loss_transcendentals(static), table_passes=grid[0], token_passes=1,
                    written=n_pad * (d + n_rows * LANES) * 4),
         grid=grid,
         in_specs=_input_specs(flags, bs, d, static["num_slots"], static["items_in_lanes"],
@@ -165,12 +165,12 @@ def d_item_call(*operands, interpret, **static):
                    else [pltpu.VMEM(out_specs[0].block_shape, jnp.float32)])
     return _pallas(
         functools.partial(d_item_kernel, flags=flags, block_v=bv, items_in_lanes=items_in_lanes,
-                          focal=static["focal"]),
+                          loss=static["loss"]),
         bs=bs,
         scratch_shapes=accumulator,
         # The lane-replicated g is read with hidden, once per item tile.
         cost=_cost(static, operands[0].dtype.itemsize, matmuls=2,
-                   transcendentals=1 + 2 * _focal_transcendentals(static),
+                   transcendentals=1 + (not static["loss"].plain) + _loss_transcendentals(static),
                    table_passes=1, token_passes=grid[0],
                    written=v * d * table_dtype.itemsize + grid[0] * n_pad * LANES * 4),
         grid=grid,

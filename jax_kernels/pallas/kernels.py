@@ -2,7 +2,7 @@
 
 The formulas, the ragged-shape rules and the reasons behind them are in `pallas/launch.py`'s
 docstring; the `pallas_call`s that run these bodies (grids, BlockSpecs, cost estimates) are in
-`pallas_calls.py`. Three kernels, each recomputing its `[block_n, block_v]` logits tile with one MXU
+`calls.py`. Three kernels, each recomputing its `[block_n, block_v]` logits tile with one MXU
 matmul into an f32 VMEM scratch and walking it in strips of 8 rows for the elementwise work:
 - `forward_kernel`: the rows (and counts), lane-partial sums resident across the item axis;
 - `d_hidden_kernel`: `(dz / g) @ W` into a resident `[block_n, D]` f32 block; with `with_rows`
@@ -120,58 +120,25 @@ def _for_each_strip(block_n, body):
     lax.fori_loop(jnp.int32(0), jnp.int32(block_n // _STRIP), step, 0)
 
 
-def _weights(y, cw_row, pw_row, focal=None):
-    """`wgt = cw * (pw if y else 1)`: a `[bn, bv]` tile, a `[1, bv]` row, or None for all ones.
-
-    With a class-balanced `focal`, also times its positive_scale (alpha) at a positive and its
-    negative_scale (1 - alpha) elsewhere."""
+def _weights(y, cw_row, pw_row):
+    """`wgt = cw * (pw if y else 1)`: a `[bn, bv]` tile, a `[1, bv]` row, or None for all ones."""
     wgt = cw_row
     if y is not None and pw_row is not None:
         wgt = jnp.where(y, pw_row, jnp.float32(1.0))
         wgt = wgt if cw_row is None else wgt * cw_row
-    if focal is None or not focal.apply_class_balancing:
-        return wgt
-    negative = jnp.float32(focal.negative_scale)
-    scale = negative if y is None else jnp.where(y, jnp.float32(focal.positive_scale), negative)
-    return scale if wgt is None else wgt * scale
+    return wgt
 
 
-def _signed(z, y):
-    """`(zs, e)`: the element's softplus argument `zs = -z if y else z`, and `e = exp(-|z|)`.
-
-    One exp per element serves both softplus(zs) and sigmoid(zs) (|zs| = |z|), never overflows,
-    and never forms softplus(z) - z.
-    """
-    e = branch_math.exp_neg_abs(z)
-    return (z if y is None else jnp.where(y, -z, z)), e
+def _terms(z, y, loss):
+    """Each element's `(loss, dz / g)` before the weights, on its own branch (`y`: its label, None:
+    all negatives): `branch_math.labelled_terms` of the call's Loss, from one `e = exp(-|z|)` that
+    serves softplus and sigmoid (|zs| = |z|), never forming softplus(z) - z. At a positive this is
+    `(softplus(-z), sigmoid(z) - 1)` for plain BCE, as BCE gives."""
+    return branch_math.labelled_terms(z, y, branch_math.exp_neg_abs(z), loss)
 
 
-def _focal_terms(zs, e, focal):
-    """`(term(zs), term'(zs))` of the focal loss (`branch_math.focal_terms`; zs is its u, the logit
-    seen from the element's label), or None for plain CutBCE: computed once per strip, shared by
-    `_element_loss` and `_dz_over_g`."""
-    return None if focal is None else branch_math.focal_terms(zs, e, focal.gamma)
-
-
-def _element_loss(zs, e, wgt, terms=None):
-    """`wgt * softplus(zs)` (`branch_math.softplus`, the polynomial log1p); `(zs, e)` from `_signed`.
-
-    With focal `terms` (`_focal_terms`): `wgt * term(zs)`."""
-    loss = branch_math.softplus(zs, e) if terms is None else terms[0]
-    return loss if wgt is None else loss * wgt
-
-
-def _dz_over_g(zs, e, y, wgt, terms=None):
-    """`dz / g = wgt * (-sigmoid(zs) if y else sigmoid(zs))`; `(zs, e)` from `_signed`.
-
-    d softplus(zs) / dz = sigmoid(zs) * dzs/dz, and dzs/dz is -1 at a positive: this is
-    `cw * pw * (sigmoid(z) - 1)` at a positive and `cw * sigmoid(z)` elsewhere, as BCE gives.
-    With focal `terms`, `term'(zs)` takes sigmoid(zs)'s place (the same sign rule).
-    """
-    s = branch_math.sigmoid(zs, e) if terms is None else terms[1]
-    if y is not None:
-        s = jnp.where(y, -s, s)
-    return s if wgt is None else s * wgt
+def _weighted(x, wgt):
+    return x if wgt is None else x * wgt
 
 
 def _lane_partial_sum(x):
@@ -184,13 +151,13 @@ def _lane_partial_sum(x):
 
 
 # ----------------------------------------------------------------------------------------------
-# Kernels (Refs only; static options bound with functools.partial by pallas_calls.py).
+# Kernels (Refs only; static options bound with functools.partial by calls.py).
 
 
 def _split_refs(refs, has_bias, has_cw, has_pw, has_ids):
     """Split a kernel's Refs into the inputs `(h, w, bias, cw, pw, ids)` (None where absent), the
     remaining inputs, outputs and other scratch in order, and the `[bn, bv]` f32 logits scratch
-    (the last scratch: `pallas_calls._pallas` puts it there)."""
+    (the last scratch: `calls._pallas` puts it there)."""
     refs = list(refs)
     h_ref, w_ref = refs.pop(0), refs.pop(0)
     optional = [refs.pop(0) if has else None for has in (has_bias, has_cw, has_pw, has_ids)]
@@ -198,10 +165,10 @@ def _split_refs(refs, has_bias, has_cw, has_pw, has_ids):
     return (h_ref, w_ref, *optional), refs, z_ref
 
 
-def _add_rows(row_refs, rows, z, y, zs, e, wgt, compute_counts, terms):
-    """Add one strip's lane-partial sums to the `[bn, 128]` output blocks `row_refs`: the loss,
-    then with compute_counts the predicted count and (when there are ids) the hits count."""
-    row_refs[0][rows, :] += _lane_partial_sum(_element_loss(zs, e, wgt, terms))
+def _add_rows(row_refs, rows, z, y, value, compute_counts):
+    """Add one strip's lane-partial sums to the `[bn, 128]` output blocks `row_refs`: the weighted
+    loss `value`, then with compute_counts the predicted count and (when there are ids) the hits."""
+    row_refs[0][rows, :] += _lane_partial_sum(value)
     if compute_counts:
         positive = z > 0.0
         row_refs[1][rows, :] += _lane_partial_sum(positive.astype(jnp.float32))
@@ -209,7 +176,7 @@ def _add_rows(row_refs, rows, z, y, zs, e, wgt, compute_counts, terms):
             row_refs[2][rows, :] += _lane_partial_sum((y & positive).astype(jnp.float32))
 
 
-def forward_kernel(*refs, flags, compute_counts, focal, **item_tile_options):
+def forward_kernel(*refs, flags, compute_counts, loss, **item_tile_options):
     """Grid (i: token tile, j: item tile). Out blocks `[bn, 128]` stay resident across j: the loss,
     then with compute_counts the predicted count and (when there are ids) the hits count."""
     (h_ref, w_ref, b_ref, c_ref, p_ref, ids_ref), out_refs, z_ref = _split_refs(refs, *flags)
@@ -227,14 +194,13 @@ def forward_kernel(*refs, flags, compute_counts, focal, **item_tile_options):
     def strip(rows):
         z = z_ref[rows, :]
         y = _targets(None if ids_ref is None else ids_ref[rows, :], columns)
-        zs, e = _signed(z, y)
-        _add_rows(out_refs, rows, z, y, zs, e, _weights(y, cw_row, pw_row, focal), compute_counts,
-                  _focal_terms(zs, e, focal))
+        value = _terms(z, y, loss)[0]
+        _add_rows(out_refs, rows, z, y, _weighted(value, _weights(y, cw_row, pw_row)), compute_counts)
 
     _for_each_strip(z_ref.shape[0], strip)
 
 
-def d_hidden_kernel(*refs, flags, with_rows, compute_counts, focal, **item_tile_options):
+def d_hidden_kernel(*refs, flags, with_rows, compute_counts, loss, **item_tile_options):
     """Grid (i: token tile, j: item tile). Accumulates `(dz / g) @ W` into `[bn, D]` f32; the
     launcher multiplies by g (constant along j).
 
@@ -261,12 +227,11 @@ def d_hidden_kernel(*refs, flags, with_rows, compute_counts, focal, **item_tile_
     def strip(rows):  # z_ref[rows] <- dz / g, in place (after the rows read the logits)
         z = z_ref[rows, :]
         y = _targets(None if ids_ref is None else ids_ref[rows, :], columns)
-        wgt = _weights(y, cw_row, pw_row, focal)
-        zs, e = _signed(z, y)
-        terms = _focal_terms(zs, e, focal)
+        wgt = _weights(y, cw_row, pw_row)
+        value, slope = _terms(z, y, loss)
         if with_rows:
-            _add_rows(row_refs, rows, z, y, zs, e, wgt, compute_counts, terms)
-        z_ref[rows, :] = _dz_over_g(zs, e, y, wgt, terms)
+            _add_rows(row_refs, rows, z, y, _weighted(value, wgt), compute_counts)
+        z_ref[rows, :] = _weighted(slope, wgt)
 
     _for_each_strip(z_ref.shape[0], strip)
     # [bn, bv] x (w [D, bv] or [bv, D]) -> [bn, D]: contract the items.
@@ -279,7 +244,7 @@ def d_hidden_kernel(*refs, flags, with_rows, compute_counts, focal, **item_tile_
     )
 
 
-def d_item_kernel(*refs, flags, block_v, items_in_lanes, focal):
+def d_item_kernel(*refs, flags, block_v, items_in_lanes, loss):
     """Grid (j: item tile, i: token tile). Accumulates the item tile's gradient in float32,
     resident across i: `hidden^T @ dz` `[D, bv]` when `items_in_lanes`, else `dz^T @ hidden`
     `[bv, D]`; and `sum_n dz` `[1, bv]`.
@@ -313,9 +278,7 @@ def d_item_kernel(*refs, flags, block_v, items_in_lanes, focal):
         # tiling it along lanes gives the `[rows, bv]` row broadcast (what `pltpu.repeat` did
         # before jax 0.10 removed it).
         g = jnp.tile(g_ref[rows, :], (1, block_v // LANES))
-        zs, e = _signed(z_ref[rows, :], y)
-        z_ref[rows, :] = _dz_over_g(zs, e, y, _weights(y, cw_row, pw_row, focal),
-                                    _focal_terms(zs, e, focal)) * g
+        z_ref[rows, :] = _weighted(_terms(z_ref[rows, :], y, loss)[1], _weights(y, cw_row, pw_row)) * g
 
     _for_each_strip(z_ref.shape[0], strip)
     dz = z_ref[...]

@@ -5,7 +5,7 @@ branch inside the tile (docs/design.md, 'How each engine stays exact'); nothing 
 afterwards. These launchers check dtypes, pad N to a tile multiple (the table is never copied:
 columns past V are masked in the kernels), choose the table's layout (`_items_in_lanes`) and sum
 the lane partials. The formulas, grids, VMEM use, ragged shapes and the interpret / Mosaic choice:
-jax_kernels/README.md; the layout's HBM saving: benchmarks/NOTES.md section 8.
+docs/jax.md; the layout's HBM saving: benchmarks/NOTES.md section 8.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from jax_kernels.neutral.shapes import KERNEL_DTYPES, ArraySpec, check_arguments
 from jax_kernels.pallas.block_sizes import LANES, BlockSizes, default_block_sizes
-from jax_kernels.neutral.focal import Focal
+from jax_kernels.neutral.loss import Loss
 from jax_kernels.pallas.calls import d_hidden_call, d_item_call, forward_call, on_platform
 
 def _spec(x):
@@ -58,7 +58,7 @@ def _items_in_lanes(d):
     return d % LANES != 0
 
 
-def _prepare(hidden, item_weight, bias, class_weight, pos_weight, ids, block_sizes, focal):
+def _prepare(hidden, item_weight, bias, class_weight, pos_weight, ids, block_sizes, loss):
     """Pick and clip the tiles, pad hidden rows (zeros) and ids (-1) to a tile multiple, shape the
     row vectors. Returns `(operands, static)`: the kernels' inputs in order and the options."""
     _check_inputs(hidden, item_weight, bias, class_weight, pos_weight, ids)
@@ -78,7 +78,7 @@ def _prepare(hidden, item_weight, bias, class_weight, pos_weight, ids, block_siz
                                 constant_values=-1))
     flags = (bias is not None, class_weight is not None, pos_weight is not None, num_slots > 0)
     return operands, dict(n_pad=n_pad, v=v, d=d, num_slots=num_slots, bs=bs, flags=flags,
-                          items_in_lanes=items_in_lanes, focal=focal)
+                          items_in_lanes=items_in_lanes, loss=loss)
 
 
 def pallas_forward(
@@ -91,9 +91,9 @@ def pallas_forward(
     *,
     compute_counts: bool,
     block_sizes: BlockSizes | None = None,
-    focal: Focal | None = None,
+    loss: Loss = Loss(),
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
-    """Exact per-row loss, without materializing `[N, V]` logits (formulas: jax_kernels/README.md).
+    """Exact per-row loss, without materializing `[N, V]` logits (formulas: docs/jax.md).
 
     Args:
         hidden: `[N, D]` float32 or bfloat16.
@@ -105,8 +105,8 @@ def pallas_forward(
             every other slot holds -1. L may be 0 (no positives).
         compute_counts: also count, per row, the items with `z > 0` and the positives among them.
         block_sizes: tiles and VMEM limit; None derives them from the chip (`default_block_sizes`).
-        focal: a `jax_kernels.neutral.focal.Focal`: each element's softplus(zs) becomes the focal
-            `term(zs)`, scaled by its class balance (`branch_math.focal_terms`); None: plain.
+        loss: the call's `jax_kernels.neutral.loss.Loss`: each element's softplus(zs) becomes its
+            `term(zs)`, scaled by its class balance (`branch_math.labelled_terms`); static.
 
     Returns:
         `rows` `[N]` float32, `sum_v cw * (pw * softplus(-z) if y else softplus(z))`; and, when
@@ -119,7 +119,7 @@ def pallas_forward(
     """
     n = hidden.shape[0]
     operands, static = _prepare(hidden, item_weight, bias, class_weight, pos_weight, ids,
-                                block_sizes, focal)
+                                block_sizes, loss)
     call = functools.partial(forward_call, compute_counts=compute_counts, **static)
     return _summed_rows(on_platform(call, *operands), n, compute_counts, static)
 
@@ -134,7 +134,7 @@ def pallas_backward(
     g: jax.Array,
     *,
     block_sizes: BlockSizes | None = None,
-    focal: Focal | None = None,
+    loss: Loss = Loss(),
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """Gradients of `sum_n g[n] * rows[n]` with respect to hidden, item_weight and bias.
 
@@ -146,7 +146,7 @@ def pallas_backward(
         hidden, item_weight, bias, class_weight, pos_weight, ids: as in `pallas_forward`.
         g: `[N]` upstream gradient of rows (cast to float32).
         block_sizes: tiles and VMEM limit; None derives them from the chip.
-        focal: as in `pallas_forward` (dz / g is focal's `term'`, signed and weighted).
+        loss: as in `pallas_forward` (dz / g is its `term'`, signed and weighted).
 
     Returns:
         `d_hidden` `[N, D]` float32, `d_item_weight` `[V, D]` in item_weight's dtype (accumulated
@@ -158,7 +158,7 @@ def pallas_backward(
     """
     _check_g(g, hidden.shape[0])
     operands, static = _prepare(hidden, item_weight, bias, class_weight, pos_weight, ids,
-                                block_sizes, focal)
+                                block_sizes, loss)
     acc = on_platform(functools.partial(d_hidden_call, **static), *operands)
     return (_times_g(g, acc, hidden.shape[0]),
             *_table_grads(operands, static, g, has_bias=bias is not None))
@@ -175,7 +175,7 @@ def pallas_value_and_grad(
     *,
     compute_counts: bool,
     block_sizes: BlockSizes | None = None,
-    focal: Focal | None = None,
+    loss: Loss = Loss(),
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None, jax.Array, jax.Array, jax.Array | None]:
     """`pallas_forward` and `pallas_backward` in two kernels instead of three.
 
@@ -186,7 +186,7 @@ def pallas_value_and_grad(
     (one per token tile) are saved.
 
     Args:
-        hidden, item_weight, bias, class_weight, pos_weight, ids, compute_counts, focal: as in
+        hidden, item_weight, bias, class_weight, pos_weight, ids, compute_counts, loss: as in
             `pallas_forward`.
         g: `[N]` upstream gradient of rows (cast to float32).
         block_sizes: tiles and VMEM limit; None derives them from the chip.
@@ -202,7 +202,7 @@ def pallas_value_and_grad(
     n = hidden.shape[0]
     _check_g(g, n)
     operands, static = _prepare(hidden, item_weight, bias, class_weight, pos_weight, ids,
-                                block_sizes, focal)
+                                block_sizes, loss)
     call = functools.partial(d_hidden_call, with_rows=True, compute_counts=compute_counts,
                              **static)
     acc, *row_outs = on_platform(call, *operands)
