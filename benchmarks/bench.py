@@ -1,6 +1,6 @@
 """CutBCE against BCEWithLogitsLoss on materialized logits: speed and peak memory, side by side.
 
-    .venv/bin/python benchmarks/bench.py                 # the full run (README's table and plots)
+    .venv/bin/python benchmarks/bench.py                 # the full run (docs/performance.md's table and plots)
     .venv/bin/python benchmarks/bench.py --quick         # tiny shapes, every code path, seconds (CI)
     .venv/bin/python benchmarks/bench.py --time-v 32768 --memory-v 16384 1048576 --providers native dense_eager
 

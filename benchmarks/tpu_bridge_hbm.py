@@ -75,11 +75,12 @@ def measure(n: int, v: int, d: int, slots: int, dtype_name: str, chips=tuple(TOP
     import jax.numpy as jnp
 
     from jax_kernels.neutral.focal import Focal
+    from jax_kernels.neutral.loss import Loss
     from jax_kernels.neutral.options import CutBCEOptions
     from torch_cutbce import bridge_ops, tpu_bridge
 
     dtype = jnp.dtype(dtype_name)
-    options = CutBCEOptions(compute_metrics=True, focal=Focal(2.0, 0.25, True)).encode()
+    options = CutBCEOptions(compute_metrics=True, loss=Loss(Focal(2.0, 0.25, True))).encode()
     jax_functions = {"rows": bridge_ops.jax_forward, "rows_backward": bridge_ops.jax_backward,
                      "weighted_sum": bridge_ops.jax_weighted_sum}
     out = []

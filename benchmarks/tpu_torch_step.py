@@ -7,8 +7,8 @@ One cell is one step of examples/sasrec.py (forward, loss, backward, Adam) with 
 torch_xla bridge (`backend="xla_pallas"`) or BCEWithLogitsLoss on the dense `[B, T, V]` logits, as
 examples/train.py trains them. Two subprocesses per cell, as torch_xla runs on the CPU here while
 the compile needs libtpu: torch_xla stages the step, never runs it, with the bridge lowered for
-TPU; libtpu's compile-only client compiles the graph (docs/toolchain.md, 'The torch_xla step for
-TPU'). Rows go to results/tpu_torch_step.csv, results/tpu_torch_step.md is rewritten from it;
+TPU; libtpu's compile-only client compiles the graph (docs/toolchain.md, 'The whole torch_xla training
+step'). Rows go to results/tpu_torch_step.csv, results/tpu_torch_step.md is rewritten from it;
 what is measured and how: benchmarks/README.md.
 """
 
@@ -334,7 +334,7 @@ def gib(value) -> str:
 
 
 def write_markdown(csv_path: Path, md_path: Path) -> None:
-    """The table the README quotes: the newest row of every (chip, topology, chips, shape, loss)."""
+    """The table docs/tpu.md quotes: the newest row of every (chip, topology, chips, shape, loss)."""
     with open(csv_path, newline="") as f:
         rows = list(csv.DictReader(f))
     newest = {}

@@ -179,7 +179,7 @@ def _weights(rng, kind, size, positive_range):
 # -- Property A: what the rules refuse of a whole spec ---------------------------------------------
 
 ENGINES = ("native", "blocked", "pallas", "bridge", "mesh", "vocab-parallel")
-KERNEL_DTYPES = ("float32", "bfloat16")  # README, 'What each bad input gets': impl='pallas' takes these
+KERNEL_DTYPES = ("float32", "bfloat16")  # docs/precision.md, 'What each bad input gets': impl='pallas' takes these
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,7 +194,7 @@ class Refusal:
 
 
 def allowed_refusals(spec: Spec, engine: str) -> frozenset:
-    """The `Refusal`s the README's bad-input table allows for `spec` on `engine`; empty: the example
+    """The `Refusal`s docs/precision.md's bad-input table allows for `spec` on `engine`; empty: the example
     must reach the oracle. More than one when a spec breaks several rules (the first check raises).
 
     Everything else a spec can draw is valid: N = 0, D = 0, L = 0, any float dtype of the path,

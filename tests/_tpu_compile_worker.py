@@ -43,13 +43,18 @@ TEMP_CASES = {
 }
 
 
-# Focal CutBCE (issue 15), on every chip: gamma 2 in float32 and a fractional, class-balanced gamma
-# in bfloat16 (the modulating factor's extra exp, the alpha weights), compiled as the cases above
-# under the names "focal_" + program. focal = (gamma, alpha, apply_class_balancing).
-FOCAL_CASES = (
-    dict(n=37, v=1001, d=72, num_slots=3, dtype="float32", options=("bias", "counts"), focal=(2.0, 0.25, False)),
+# The other Loss values (focal: issue 15; label smoothing: issue 30), on every chip: gamma 2 in
+# float32, a fractional, class-balanced gamma in bfloat16 (the modulating factor's extra exp, the
+# alpha weights), label smoothing with focal in float32 (the factor's log), compiled as the cases
+# above under the names "loss_" + program. loss: the Loss's arguments, focal as (gamma, alpha,
+# apply_class_balancing).
+LOSS_CASES = (
+    dict(n=37, v=1001, d=72, num_slots=3, dtype="float32", options=("bias", "counts"),
+         loss=dict(focal=(2.0, 0.25, False))),
     dict(n=130, v=700, d=128, num_slots=9, dtype="bfloat16", options=("class_weight", "pos_weight"),
-         focal=(0.5, 0.25, True)),
+         loss=dict(focal=(0.5, 0.25, True))),
+    dict(n=64, v=640, d=64, num_slots=5, dtype="float32", options=("bias", "pos_weight"),
+         loss=dict(focal=(1.5, 0.25, True), label_smoothing=0.1)),
 )
 
 
@@ -87,20 +92,25 @@ def _structs(case):
                 ids=((n, case["num_slots"]), jnp.int32), g=((n,), jnp.float32))
 
 
-def _focal(case):
+def _loss(case):
+    """The case's `Loss` (plain without a "loss" entry)."""
     from jax_kernels.neutral.focal import Focal
+    from jax_kernels.neutral.loss import Loss
 
-    return Focal(*case["focal"]) if case.get("focal") else None
+    arguments = dict(case.get("loss", {}))
+    if "focal" in arguments:
+        arguments["focal"] = Focal(*arguments["focal"])
+    return Loss(**arguments)
 
 
-def _loss_and_grads(hidden, item_weight, targets, bias, class_weight, pos_weight, *, counts, focal=None):
+def _loss_and_grads(hidden, item_weight, targets, bias, class_weight, pos_weight, *, counts, loss):
     import jax
 
     import jax_kernels
 
     def loss(h, w, b):
         out = jax_kernels.cut_bce(h, w, targets, b, class_weight=class_weight, pos_weight=pos_weight,
-                                  return_metrics=counts, impl="pallas", focal=focal)
+                                  return_metrics=counts, impl="pallas", **loss.arguments())
         return (out[0], out[1]) if counts else (out, ())
 
     return jax.value_and_grad(loss, argnums=(0, 1, 2) if bias is not None else (0, 1),
@@ -118,16 +128,15 @@ def compile_case(chip, case):
 
     s = _structs(case)
     counts = "counts" in case["options"]
-    focal = _focal(case)
-    prefix = "focal_" if focal else ""
+    loss = _loss(case)
+    prefix = "" if loss.plain else "loss_"
     common = (s["hidden"], s["item_weight"], s["bias"], s["class_weight"], s["pos_weight"], s["ids"])
     jobs = {
-        "forward": (functools.partial(pallas_forward, compute_counts=counts, focal=focal), common),
-        "backward": (functools.partial(pallas_backward, focal=focal), common + (s["g"],)),
-        "value_and_grad": (functools.partial(pallas_value_and_grad, compute_counts=counts,
-                                             focal=focal),
+        "forward": (functools.partial(pallas_forward, compute_counts=counts, loss=loss), common),
+        "backward": (functools.partial(pallas_backward, loss=loss), common + (s["g"],)),
+        "value_and_grad": (functools.partial(pallas_value_and_grad, compute_counts=counts, loss=loss),
                            common + (s["g"],)),
-        "cut_bce_value_and_grad": (functools.partial(_loss_and_grads, counts=counts, focal=focal),
+        "cut_bce_value_and_grad": (functools.partial(_loss_and_grads, counts=counts, loss=loss),
                                    (s["hidden"], s["item_weight"], s["ids"], s["bias"],
                                     s["class_weight"], s["pos_weight"])),
     }
@@ -141,8 +150,8 @@ def main(out_path, chips):
 
     tpu_compile.pin_mosaic_version()  # only with libtpu 0.0.20/0.0.21 (.venv), which needs it
     records = []
-    focal_cases = [(chip, case) for chip in chips for case in FOCAL_CASES]
-    for chip, case in cases(chips) + focal_cases:
+    loss_cases = [(chip, case) for chip in chips for case in LOSS_CASES]
+    for chip, case in cases(chips) + loss_cases:
         records += compile_case(chip, case)
         print(chip, case, [(r["what"], round(r["seconds"], 1), r["error"] and r["error"][:200])
                            for r in records[-4:]], flush=True)

@@ -44,7 +44,7 @@ from _properties_runners import jax_results, torch_results
 TORCH_DTYPES = ("float32", "float64", "bfloat16", "float16")
 JAX_DTYPES = ("float32", "float64", "bfloat16")
 SHRINK_EVERYWHERE = False  # set True locally for minimal examples from the compiling paths (slow)
-JAX_MUTATIONS = tuple(m for m in MUTATIONS if m != "list_item_weight")  # JAX takes array-likes (README)
+JAX_MUTATIONS = tuple(m for m in MUTATIONS if m != "list_item_weight")  # JAX takes array-likes (docs/precision.md)
 # Every exactness property also runs this example first: rows whose positive has logit +20..+100
 # and whose other logits sit at -10..-50 (their loss is a sum of tiny terms; float32 as users run).
 CONFIDENT = Spec(dtype="float32", lead_shape=(2, 3), num_items=300, hidden_size=8, num_slots=2,
@@ -145,7 +145,7 @@ def torch_path(backend):
 # Not backend='dense': it is torch's own BCEWithLogitsLoss on materialized logits, the code the rule
 # compares against. torch evaluates a negative's loss through a rounded log(1 + exp(-|z|)) (1e-3
 # relative off at z = -10 in float32, 0 for 2e-19 at z = -43), so it does not meet the rule the
-# fast paths meet (README, Precision); its argument checks are still run below.
+# fast paths meet (docs/precision.md, 'Precision'); its argument checks are still run below.
 @pytest.mark.rung1
 @pytest.mark.parametrize("backend", ["native"])
 @counts_outcomes

@@ -22,6 +22,8 @@ import pytest
 import torch
 
 from jax_kernels.neutral import cpu_tile_build
+from jax_kernels.neutral.focal import Focal
+from jax_kernels.neutral.loss import Loss
 from torch_cutbce import branch_math as torch_math
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,33 +79,112 @@ def ulp_bound(z, positive: bool, gamma: float) -> np.ndarray:
     return (ULPS_FOCAL if gamma else ULPS_PLAIN) + (gamma - int(gamma)) * np.maximum(-u, 0)
 
 
-def ulp_errors(fast, truth) -> np.ndarray:
-    """|fast - truth| in float32 ulps of the truth (0 below `FLUSH_LIMIT` within it, else inf)."""
+def ulp_errors(fast, truth, scale=None) -> np.ndarray:
+    """|fast - truth| in float32 ulps of the truth, or of `scale` where larger (0 below
+    `FLUSH_LIMIT` within it, else inf)."""
     fast, truth = np.asarray(fast, dtype=np.float64), np.asarray(truth, dtype=np.float64)
     error = np.abs(fast - truth)
-    exponent = np.frexp(truth)[1]  # |truth| in [2^(exponent - 1), 2^exponent): ulp 2^(exponent - 24)
+    exponent = np.frexp(truth if scale is None else np.maximum(np.abs(truth), scale))[1]  # |truth| in [2^(exponent - 1), 2^exponent): ulp 2^(exponent - 24)
     ulps = error / np.maximum(np.ldexp(1.0, exponent - 24), 2.0**-149)
     flushed = np.abs(truth) < FLUSH_LIMIT
     return np.where(flushed, np.where(error <= FLUSH_LIMIT, 0.0, np.inf), ulps)
 
 
-def assert_within(fast, truth, bound, name):
+def assert_within(fast, truth, bound, name, scale=None):
     """Every element within its bound; the message names the worst one (z, fast, truth, ulps)."""
     fast = np.asarray(fast, dtype=np.float64)
     assert np.isfinite(fast).all(), f"{name}: non-finite at z = {Z[~np.isfinite(fast)][:5]}"
-    excess = ulp_errors(fast, truth) - bound
+    excess = ulp_errors(fast, truth, scale) - bound
     i = int(np.argmax(excess))
-    assert excess[i] <= 0, (f"{name}: {ulp_errors(fast, truth)[i]:.1f} ulps > bound {bound[i]:.1f} at "
+    assert excess[i] <= 0, (f"{name}: {ulp_errors(fast, truth, scale)[i]:.1f} ulps > bound {bound[i]:.1f} at "
                             f"z = {Z[i]!r}: fast {fast[i]!r}, truth {np.asarray(truth)[i]!r}")
 
 
 CASES = [(branch, gamma) for branch in BRANCHES for gamma in GAMMAS]
 
 
+def _loss(gamma: float) -> Loss:
+    return Loss(Focal(gamma) if gamma else None)
+
+
+# -- label smoothing (issue 30): each element's Keras term of the target y (1 - 2c) + c ---------------
+
+SMOOTHINGS = (0.1, 1.0)
+SMOOTHED_CASES = [(branch, Loss(Focal(gamma, 0.25, balanced) if gamma or balanced else None, eps))
+                  for branch in BRANCHES for eps in SMOOTHINGS for gamma, balanced in ((0.0, False), (2.0, True),
+                                                                                       (0.5, False))]
+
+
+def _smoothed_truth(z, positive: bool, loss: Loss):
+    """float64 `(loss, d loss / dz)` from Keras' definition in logit space: B = (1 - c) softplus(u)
+    + c softplus(-u), q = (1 - c) sigmoid(u) + c sigmoid(-u), term = a q^gamma B, u = -z at a
+    positive; and `scale`, the size of the slope's terms before they cancel (`sigmoid(u) - c`, and its
+    sum with the factor's slope, of the other sign where sigmoid(u) < c)."""
+    c = loss.label_smoothing / 2
+    gamma = 0.0 if loss.focal is None else loss.focal.gamma
+    u = -z.astype(np.float64) if positive else z.astype(np.float64)
+    e = np.exp(-np.abs(u))
+    s_u, s_flip = np.where(u >= 0, 1.0, e) / (1 + e), np.where(u >= 0, e, 1.0) / (1 + e)
+    bce = (1 - c) * np.logaddexp(0.0, u) + c * np.logaddexp(0.0, -u)
+    q = (1 - c) * s_u + c * s_flip
+    numbers = loss.numbers()
+    a = numbers.positive_scale if positive else numbers.negative_scale
+    slope = a * q**gamma * (s_u - c + gamma * (1 - 2 * c) * s_u * s_flip * bce / q)
+    scale = a * q**gamma * (np.maximum(s_u, c) + gamma * (1 - 2 * c) * s_u * s_flip * bce / q)
+    return a * q**gamma * bce, (-slope if positive else slope), scale
+
+
+def check_smoothed(value, slope, branch, loss, who):
+    """The loss within 6 ulps (7 with the class balance's multiply) plus gamma |log q|
+    (exp(gamma log q) carries its argument's rounding);
+    the slope within the same ulps of `scale` (sigmoid(u) - c cancels where sigmoid(u) ~ c: the
+    dense BCE's `sigmoid(z) - target` loses the same)."""
+    positive = BRANCHES[branch]
+    truth, truth_slope, scale = _smoothed_truth(Z, positive, loss)
+    gamma = 0.0 if loss.focal is None else loss.focal.gamma
+    c = loss.label_smoothing / 2
+    u = -Z.astype(np.float64) if positive else Z.astype(np.float64)
+    s_u = 1 / (1 + np.exp(-np.clip(u, -700, 700)))
+    bound = 6 + loss.form().balanced + gamma * np.abs(np.log((1 - c) * s_u + c * (1 - s_u)))
+    name = f"{who} {branch} {loss}"
+    assert_within(value, truth, bound, f"{name} loss")
+    assert_within(slope, truth_slope, bound, f"{name} slope", scale=scale)
+
+
+@pytest.mark.parametrize("branch,loss", SMOOTHED_CASES, ids=str)
+def test_torch_smoothed_within_the_bound(branch, loss):
+    value, slope = torch_math.branch_terms(torch.from_numpy(Z), BRANCHES[branch], loss)
+    check_smoothed(value.numpy(), slope.numpy(), branch, loss, "torch")
+
+
+@pytest.mark.jax
+@pytest.mark.parametrize("branch,loss", SMOOTHED_CASES, ids=str)
+def test_jax_smoothed_within_the_bound(branch, loss):
+    import jax
+    import jax.numpy as jnp
+
+    from jax_kernels import branch_math as jax_math
+    from parity import enable_x64
+
+    with enable_x64(False):
+        value, slope = jax.jit(lambda z: jax_math.branch_terms(z, BRANCHES[branch], loss))(jnp.asarray(Z))
+        labelled = jax.jit(lambda z: jax_math.labelled_terms(
+            z, jnp.full(z.shape, BRANCHES[branch]), jax_math.exp_neg_abs(z), loss))(jnp.asarray(Z))
+    check_smoothed(np.asarray(value), np.asarray(slope), branch, loss, "jax")
+    check_smoothed(*(np.asarray(x) for x in labelled), branch, loss, "jax labelled (Pallas)")
+
+
+def test_a_taken_out_positive_adds_nothing_under_smoothing():
+    """z = -inf marks a positive taken out of its tile: 0 loss (its smoothed c |u| is inf there)."""
+    z = torch.tensor([float("-inf"), 0.0])
+    value, _ = torch_math.branch_terms(z, False, Loss(label_smoothing=0.2))
+    assert value[0] == 0 and value[1] > 0
+
+
 @pytest.mark.parametrize("branch,gamma", CASES)
 def test_torch_float32_within_the_ulp_bound(branch, gamma):
     positive = BRANCHES[branch]
-    loss, slope = torch_math.branch_terms(torch.from_numpy(Z), positive, gamma or None)
+    loss, slope = torch_math.branch_terms(torch.from_numpy(Z), positive, _loss(gamma))
     truth = _truth(Z, positive, gamma)
     bound = ulp_bound(Z, positive, gamma)
     assert_within(loss.numpy(), truth[0], bound, f"torch {branch} gamma={gamma} loss")
@@ -112,9 +193,10 @@ def test_torch_float32_within_the_ulp_bound(branch, gamma):
 
 def _all_compiled_terms(z):
     """Every case's `(loss, slope)` in one graph (one compile): the polynomial log1p path."""
-    terms = [torch_math.branch_terms(z, positive, gamma or None) for positive, gamma in
+    terms = [torch_math.branch_terms(z, positive, _loss(gamma)) for positive, gamma in
              ((BRANCHES[branch], gamma) for branch, gamma in CASES)]
-    return terms, torch_math.softplus_one_exp(z)
+    smoothed = [torch_math.branch_terms(z, BRANCHES[branch], loss) for branch, loss in SMOOTHED_CASES]
+    return terms, torch_math.softplus_one_exp(z), smoothed
 
 
 @pytest.mark.slow
@@ -122,7 +204,9 @@ def test_torch_compiled_within_the_ulp_bound():
     """As `torch.compile`d tiles run it (polynomial log1p, FMA contraction as fused_tile asks)."""
     options = {"cpp.enable_floating_point_contract_flag": "fast"}
     compiled = torch.compile(_all_compiled_terms, fullgraph=True, dynamic=False, options=options)
-    terms, softplus_alone = compiled(torch.from_numpy(Z))
+    terms, softplus_alone, smoothed = compiled(torch.from_numpy(Z))
+    for (branch, loss), (value, slope) in zip(SMOOTHED_CASES, smoothed):
+        check_smoothed(value.numpy(), slope.numpy(), branch, loss, "compiled")
     for (branch, gamma), (loss, slope) in zip(CASES, terms):
         positive = BRANCHES[branch]
         truth, bound = _truth(Z, positive, gamma), ulp_bound(Z, positive, gamma)
@@ -143,7 +227,7 @@ def _jax_terms(positive: bool, gamma: float, balancing: bool):
 
     focal = check_focal(Focal(gamma, 0.25, balancing))
     with enable_x64(False):
-        loss, slope = jax.jit(lambda z: jax_math.branch_terms(z, positive, focal))(jnp.asarray(Z))
+        loss, slope = jax.jit(lambda z: jax_math.branch_terms(z, positive, Loss(focal)))(jnp.asarray(Z))
         return np.asarray(loss), np.asarray(slope), (1.0 if focal is None else
                                                      focal.positive_scale if positive else focal.negative_scale)
 
@@ -167,7 +251,7 @@ def test_torch_and_jax_agree(branch, gamma):
     """Within the sum of their bounds, counted in ulps of JAX's value."""
     positive = BRANCHES[branch]
     jax_loss, jax_slope, _ = _jax_terms(positive, gamma, False)
-    loss, slope = torch_math.branch_terms(torch.from_numpy(Z), positive, gamma or None)
+    loss, slope = torch_math.branch_terms(torch.from_numpy(Z), positive, _loss(gamma))
     bound = 2 * ulp_bound(Z, positive, gamma)
     assert_within(loss.numpy(), jax_loss.astype(np.float64), bound, f"torch vs jax {branch} gamma={gamma} loss")
     assert_within(slope.numpy(), jax_slope.astype(np.float64), bound, f"torch vs jax {branch} gamma={gamma} slope")

@@ -148,7 +148,7 @@ def kill_after(steps: int):
 
 
 @pytest.mark.parametrize("model, loss, kill_after_steps", [("sasrec", "cutbce", 5), ("bert4rec", "cutbce", 8),
-                                                          ("sasrec", "sampled", 5)])
+                                                          ("sasrec", "sampled", 5), ("sasrec", "ce", 5)])
 def test_resume_after_kill_equals_uninterrupted_run(tmp_path, model, loss, kill_after_steps):
     """Kill mid-epoch (work since the last checkpoint is lost), resume: bitwise the same run."""
     settings = dict(model=model, loss=loss, negatives=3, ckpt_every=3)
@@ -311,7 +311,7 @@ def test_every_flag_has_help_and_its_default():
         assert action.help, action.dest
         if action.default not in ("", None):  # an empty default is explained in the help instead
             assert f"(default: {action.default})" in text, action.dest
-    for closed in ("--model {sasrec,bert4rec}", "--loss {cutbce,focal,dense,sampled}", "--device {cpu,xla}",
+    for closed in ("--model {sasrec,bert4rec}", "--loss {cutbce,focal,dense,sampled,ce}", "--device {cpu,xla}",
                    "--normalization {items,positions,mean}", "--optimizer {adam,adamw}",
                    "--dataset {ml-100k,yambda,synthetic}", "--exclude-seen {auto,yes,no}"):
         assert closed in text

@@ -6,9 +6,9 @@ loads libtpu, so its JAX and torch_xla stay on the CPU. The worker compiles, not
 chip, every subset of {bias, class_weight, pos_weight, counts} with L = 0 and L > 0, float32 and
 bfloat16 alternating, at odd small shapes (32 cases per chip), four programs each: the raw
 `pallas_forward`, `pallas_backward` and `pallas_value_and_grad` (the one-pass kernels of
-'mean'/'sum'), and `jax.value_and_grad` of `jax_kernels.cut_bce(impl='pallas')`; the focal
-variants, two cases per chip (`worker.FOCAL_CASES`), the same four programs (136 compiles a chip);
-and the four HBM temp cases on v5e: 412 compiles in all.
+'mean'/'sum'), and `jax.value_and_grad` of `jax_kernels.cut_bce(impl='pallas')`; the other
+Loss values, three cases per chip (`worker.LOSS_CASES`), the same four programs (140 compiles a
+chip); and the four HBM temp cases on v5e: 424 compiles in all.
 
 Which chips depends on the environment's libtpu (`worker.chips_here()`), so that CI compiles each
 chip once or twice and each side about three chips' time:
@@ -70,12 +70,13 @@ def test_every_variant_compiles(records, chip):
 
 
 @pytest.mark.parametrize("chip", CHIPS)
-def test_focal_variants_compile(records, chip):
-    """Focal CutBCE (issue 15): the four programs of each `worker.FOCAL_CASES` entry (gamma 2 in
-    float32; gamma 0.5 class-balanced in bfloat16) compile for this chip."""
-    mine = [r for r in records if r["chip"] == chip and r["what"].startswith("focal_")]
-    assert len(mine) == len(PROGRAMS) * len(worker.FOCAL_CASES), [r["what"] for r in mine]
-    failed = [(r["what"], r["dtype"], r["focal"], r["error"][:500]) for r in mine if r["error"] is not None]
+def test_loss_variants_compile(records, chip):
+    """Every other Loss (focal: issue 15; label smoothing: issue 30): the four programs of each
+    `worker.LOSS_CASES` entry (gamma 2 in float32; gamma 0.5 class-balanced in bfloat16; label
+    smoothing 0.1 with a balanced gamma 1.5 in float32) compile for this chip."""
+    mine = [r for r in records if r["chip"] == chip and r["what"].startswith("loss_")]
+    assert len(mine) == len(PROGRAMS) * len(worker.LOSS_CASES), [r["what"] for r in mine]
+    failed = [(r["what"], r["dtype"], r["loss"], r["error"][:500]) for r in mine if r["error"] is not None]
     assert not failed, failed
 
 

@@ -6,7 +6,7 @@
   killed the process with SIGBUS / SIGSEGV).
 - A loadable library without the kernel's symbols is a BuildError (one warning, the fallback tiles).
 - A `$CC` that does not exist is a BuildError naming it, not a silent switch to another compiler.
-- A build says so once, before it starts (README, 'What the first call says'); the JAX tile choice
+- A build says so once, before it starts (docs/install.md, 'What the first call says'); the JAX tile choice
   then says its result, once per machine (torch's first call: tests/test_torch_first_call.py).
 """
 

@@ -5,7 +5,7 @@
   weight, for torch's C kernel, compiled and eager tiles (`TORCH_CUTBCE_TILE`) and JAX's FFI
   kernel and jnp tiles: `reduction='none'` rows and 'sum' within the float32 tolerance of float64.
   hypothesis draws the logit, V and the tile count.
-- Infinite inputs, as the README's table says: an infinite logit gives its limit (a negative at
+- Infinite inputs, as docs/precision.md's table says: an infinite logit gives its limit (a negative at
   -inf or a positive at +inf adds 0 with gradient 0; a negative at +inf or a positive at -inf adds
   +inf), where BCEWithLogitsLoss gives NaN; an infinite position weight gives torch's infinities.
 - `jax.vmap` over `cut_bce` through the FFI kernel; `torch.autograd.gradcheck` with its default
@@ -154,7 +154,7 @@ def test_an_infinite_logit_gives_its_limit(reduction):
 @pytest.mark.parametrize("reduction", ["none", "sum"])
 def test_jax_infinite_logits_give_their_limits(reduction, jit):
     """Issue 31: the blocked loop's TwoSum across tiles computed inf - inf, so a row with a +inf
-    logit at a negative came out NaN; the README's infinities table says +inf (block_v = 2: the
+    logit at a negative came out NaN; docs/precision.md's infinities table says +inf (block_v = 2: the
     infinite tile is not the last)."""
     import jax
     import jax.numpy as jnp
@@ -181,7 +181,7 @@ def test_jax_infinite_logits_give_their_limits(reduction, jit):
 
 @pytest.mark.parametrize("where", ["hidden", "item_weight"])
 def test_an_infinite_input_entry_gives_torchs_gradients_or_nan_for_its_infinities(where):
-    """The README's rule for an infinite `hidden` / `item_weight` entry: each gradient entry equals
+    """docs/precision.md's rule for an infinite `hidden` / `item_weight` entry: each gradient entry equals
     torch's where torch's is finite or NaN; where torch's is +-inf, ours is the same infinity or
     NaN (a positive taken out of its tile with slope 0 meets the infinity: 0 x inf)."""
     g = torch.Generator().manual_seed(6)

@@ -19,12 +19,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jax_kernels.neutral.focal import MIN_GAMMA, Focal
+from jax_kernels.neutral.loss import MIN_LABEL_SMOOTHING, Loss
 from jax_kernels.neutral.options import CutBCEOptions, decode
 from torch_cutbce import ops
 
 # Words that would mean an option leaked into an op's schema (its fields, and the focal ones).
 OPTION_WORDS = {field.name for field in dataclasses.fields(CutBCEOptions)} | {
-    "gamma", "alpha", "balancing", "apply_class_balancing", "mesh", "backend", "reduction"}
+    "gamma", "alpha", "balancing", "apply_class_balancing", "label_smoothing", "smoothing", "mesh", "backend",
+    "reduction"}
 MAX_PARAMETERS = 10
 PLAIN = CutBCEOptions().encode()
 
@@ -51,7 +53,7 @@ def options(draw):
     return CutBCEOptions(
         block_v=draw(st.none() | st.integers(1, 2**31)),
         compute_metrics=draw(st.booleans()),
-        focal=focal,
+        loss=Loss(focal, draw(st.sampled_from([0.0, 0.1, 1.0, MIN_LABEL_SMOOTHING]))),
         impl=draw(st.sampled_from(["auto", "blocked", "pallas"])),
         offset=draw(st.integers(0, 2**31)),
         id_limit=draw(st.none() | st.integers(1, 2**31)),
@@ -61,7 +63,7 @@ def options(draw):
 
 def _as_json_data(o: CutBCEOptions) -> dict:
     data = {f.name: getattr(o, f.name) for f in dataclasses.fields(o)}
-    data["focal"] = None if o.focal is None else dataclasses.asdict(o.focal)
+    data["loss"] = dataclasses.asdict(o.loss)
     return data
 
 
@@ -78,7 +80,7 @@ def test_encode_is_canonical_json_and_decode_inverts_it(o):
 
 def test_plain_focal_is_stored_as_none():
     # Focal(gamma=0) without balancing is plain BCE: the same options, so the same string.
-    assert CutBCEOptions(focal=Focal(gamma=0.0)).encode() == CutBCEOptions().encode()
+    assert CutBCEOptions(loss=Loss(Focal(gamma=0.0))).encode() == CutBCEOptions().encode()
 
 
 @pytest.mark.parametrize("text", [
@@ -171,7 +173,8 @@ def _native_inputs(seed=0, n=6, v=37, d=5, slots=3):
 
 OPCHECK_OPTIONS = {
     "plain": CutBCEOptions(block_v=8),
-    "focal, metrics, default tile": CutBCEOptions(compute_metrics=True, focal=Focal(2.0, 0.25, True)),
+    "focal, metrics, default tile": CutBCEOptions(compute_metrics=True, loss=Loss(Focal(2.0, 0.25, True))),
+    "label smoothing and focal": CutBCEOptions(loss=Loss(Focal(0.5), label_smoothing=0.2)),
 }
 
 

@@ -346,7 +346,7 @@ def test_bad_focal_options_are_clear_errors(package, kwargs, error, match):
         focal_class(**kwargs)
 
 
-# Every entry that takes focal= (README, 'What each bad input gets'): (package, function, extra
+# Every entry that takes focal= (docs/precision.md, 'What each bad input gets'): (package, function, extra
 # arguments). torch's dense_bce_with_logits is the oracle, not an entry: backend='dense' checks first.
 ENTRIES = [
     pytest.param("torch_cutbce", "cut_bce_with_logits", {}, id="torch"),

@@ -3,6 +3,7 @@
 `jax_kernels/neutral` imports neither framework (torch_cutbce loads it without jax, jax_kernels
 without torch); `jax_kernels` never imports torch; the oracles import no engine; the engine registry
 names exactly the engines the framework-neutral impl rule accepts.
+Documents stay out of the packages (they would ship in the wheel).
 """
 
 from __future__ import annotations
@@ -97,3 +98,11 @@ def test_registry_matches_the_impl_rule():
     from jax_kernels.neutral.shapes import IMPL_CHOICES
 
     assert IMPL_CHOICES == ("auto", *ENGINES)
+
+
+def test_the_packages_hold_no_documents():
+    """Documents live in docs/ (the JAX side: docs/jax.md); a Markdown file inside a package would ship
+    in the wheel, and its relative links would break there."""
+    found = [p.relative_to(ROOT).as_posix() for package in ("torch_cutbce", "jax_kernels")
+             for p in (ROOT / package).rglob("*.md")]
+    assert not found, found

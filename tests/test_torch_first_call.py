@@ -1,4 +1,4 @@
-"""What the first call says (README, 'What the first call says'): each slow step before it starts,
+"""What the first call says (docs/install.md, 'What the first call says'): each slow step before it starts,
 once per machine or once per process as documented, and nothing where nothing slow happens.
 
 Each case runs fresh processes on empty cache folders (the kernel's and inductor's): the first
@@ -31,8 +31,8 @@ with warnings.catch_warnings(record=True) as caught:
     import torch
     from torch_cutbce import Focal, cut_bce_with_logits, fused_tile
     if "stub" in sys.argv:
-        fused_tile._compiled = lambda name, threads, split=None: (
-            fused_tile._FUNCTIONS[name] if split is None else fused_tile._focal_functions(*split)[name])
+        fused_tile._compiled = lambda name, threads, form=None: (
+            fused_tile._FUNCTIONS[name] if form is None else fused_tile._loss_functions(form)[name])
     g = torch.Generator().manual_seed(0)
     for call in sys.argv[1:]:
         if call == "stub":

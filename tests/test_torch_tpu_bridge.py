@@ -40,6 +40,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import torch_cutbce as tc  # noqa: E402
 from jax_kernels.neutral.focal import Focal  # noqa: E402
+from jax_kernels.neutral.loss import Loss  # noqa: E402
 from jax_kernels.neutral.options import CutBCEOptions  # noqa: E402
 from torch_cutbce import tpu_bridge  # noqa: E402
 
@@ -50,8 +51,9 @@ OPS = {"rows": tpu_bridge.rows, "rows_backward": tpu_bridge.rows_backward, "weig
 OPTIONS = {
     "plain": CutBCEOptions(),
     "metrics": CutBCEOptions(compute_metrics=True, block_v=128),
-    "focal": CutBCEOptions(focal=Focal(2.0, 0.25, False)),
-    "focal balanced, metrics": CutBCEOptions(compute_metrics=True, focal=Focal(2.0, 0.25, True)),
+    "focal": CutBCEOptions(loss=Loss(Focal(2.0, 0.25, False))),
+    "focal balanced, metrics": CutBCEOptions(compute_metrics=True, loss=Loss(Focal(2.0, 0.25, True))),
+    "label smoothing, focal": CutBCEOptions(loss=Loss(Focal(1.5, 0.25, True), label_smoothing=0.1)),
     "blocked": CutBCEOptions(impl="blocked", block_v=128),
 }
 

@@ -7,8 +7,8 @@ branch). Each element's loss is `cw softplus(z)` and its gradient `g cw sigmoid(
 math is `branch_math.py`'s, here only weighted, masked and summed.
 
     rows(z, cw, loss)                -> sum_v cw softplus(z)
-    rows_grad(z, cw, loss, g, out)   -> the same, and writes dz = g cw sigmoid(z) into `out`
-    grad(z, cw, loss, g, out)        -> writes dz into `out`
+    rows_grad(z, cw, g, out, loss)   -> the same, and writes dz = g cw sigmoid(z) into `out`
+    grad(z, cw, g, out, loss)        -> writes dz into `out`
     counts(z)                  -> #{v : z > 0} per row (metrics)
 
 Plain float32 tiles on the CPU run one of three candidates (`TILES`): the C kernel
@@ -35,7 +35,7 @@ import warnings
 import torch
 
 from jax_kernels.neutral import cpu_tile_build, tile_choice  # framework-neutral: no jax import
-from jax_kernels.neutral.loss import Numbers
+from jax_kernels.neutral.loss import Loss, Numbers
 from torch_cutbce import branch_math
 
 _compile_seconds: dict[str, float] = {}
@@ -413,18 +413,22 @@ def _run_compiled(name: str, z: torch.Tensor, *args, announce: bool = True):
 # Shapes: z and out `[bn, bv]` (contiguous), cw `[1, bv]` or None, g `[bn, 1]`.
 
 
-def rows(z: torch.Tensor, cw: torch.Tensor | None, loss) -> torch.Tensor:
+PLAIN = Loss()
+
+
+def rows(z: torch.Tensor, cw: torch.Tensor | None, loss: Loss = PLAIN) -> torch.Tensor:
     """`sum_v cw[v] term(z[n, v])` `[bn]`: each row's loss over the tile's negatives (`loss`: a
     `jax_kernels.neutral.loss.Loss`; plain: `term = softplus`)."""
     return _run("rows", z, cw) if loss.plain else _run("loss_rows", z, cw, loss)
 
 
-def rows_grad(z: torch.Tensor, cw: torch.Tensor | None, loss, g: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def rows_grad(z: torch.Tensor, cw: torch.Tensor | None, g: torch.Tensor, out: torch.Tensor,
+              loss: Loss = PLAIN) -> torch.Tensor:
     """`rows(z, cw, loss)`, and writes `dz = g cw term'(z)` for the row gradient `g` into `out`."""
     return _run("rows_grad", z, cw, g, out) if loss.plain else _run("loss_rows_grad", z, cw, loss, g, out)
 
 
-def grad(z: torch.Tensor, cw: torch.Tensor | None, loss, g: torch.Tensor, out: torch.Tensor) -> None:
+def grad(z: torch.Tensor, cw: torch.Tensor | None, g: torch.Tensor, out: torch.Tensor, loss: Loss = PLAIN) -> None:
     """Writes `dz = g cw term'(z)` for the row gradient `g` into `out`."""
     if loss.plain:
         _run("grad", z, cw, g, out)

@@ -135,7 +135,7 @@ def rows_forward(hidden, item_weight, bias, class_weight, pos_weight, targets, o
             false_positives += fused_tile.counts(z)
         rows += fused_tile.rows(z, cw, loss)
     logits = tiles.positives.logits
-    rows += positives.positive_terms(logits, ids, class_weight, pos_weight, loss)[0].sum(-1)
+    rows += positives.positive_terms(logits, ids, class_weight, pos_weight, loss=loss)[0].sum(-1)
     if compute_metrics:
         counts = _metric_counts(false_positives, logits, ids, num_items)
     else:
@@ -156,9 +156,9 @@ def rows_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, logi
         tiles = _Tiles(h, item_weight, bias, class_weight, ids, block_v, with_grad=True,
                        keep_logits=False, grad_in_place=_grad_in_place(loss, h))
         for start, stop, z, dz, items, cw in tiles:
-            fused_tile.grad(z, cw, loss, g_column, out=dz)
+            fused_tile.grad(z, cw, g_column, dz, loss)
             _add_tile_grads(dz, items, h, start, stop, d_hidden, d_items, d_bias)
-        dz_positives = positives.positive_terms(logits, ids, class_weight, pos_weight, loss, g)[1]
+        dz_positives = positives.positive_terms(logits, ids, class_weight, pos_weight, g, loss)[1]
         positives.add_positive_grads(dz_positives, ids, h, item_weight, d_hidden, d_items, d_bias)
     return d_hidden, d_items, d_bias
 
@@ -197,13 +197,13 @@ def loss_and_grads(hidden, item_weight, bias, weight, class_weight, pos_weight, 
         if compute_metrics:
             false_positives += fused_tile.counts(z)
         if with_grads:
-            rows += fused_tile.rows_grad(z, cw, loss, g_column, out=dz)
+            rows += fused_tile.rows_grad(z, cw, g_column, dz, loss)
             _add_tile_grads(dz, items, h, start, stop, d_hidden, d_items, d_bias)
         else:
             rows += fused_tile.rows(z, cw, loss)
     logits = tiles.positives.logits
     loss_positives, dz_positives = positives.positive_terms(
-        logits, ids, class_weight, pos_weight, loss, g if with_grads else None)
+        logits, ids, class_weight, pos_weight, g if with_grads else None, loss)
     rows += loss_positives.sum(-1)
     if with_grads:
         positives.add_positive_grads(dz_positives, ids, h, item_weight, d_hidden, d_items, d_bias)

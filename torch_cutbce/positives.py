@@ -81,7 +81,7 @@ class TilePositives:
         return out.index_copy_(0, self.where, self.sorted_logits).view(self.shape)
 
 
-def positive_terms(logits, ids, class_weight, pos_weight, loss, g=None):
+def positive_terms(logits, ids, class_weight, pos_weight, g=None, loss=None):
     """Each positive's own loss and gradient: `[N, L]` loss and, with the row gradient `g` `[N]`, dz.
 
     `loss = w term(-z)`, `dz = g w d term(-z) / dz`, `w = cw pw`, at valid ids (`ids >= 0`), exactly
