@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_kernels import positives
-from jax_kernels.neutral.loss import Loss
+from jax_kernels.neutral.loss import PLAIN, Loss
 from jax_kernels.engines import ENGINES, engine_for
 from jax_kernels.neutral.shapes import tile_width
 
@@ -50,7 +50,7 @@ class CutBCEConfig:
     compute_metrics: bool = False
     impl: str = "blocked"
     block_sizes: object = None
-    loss: Loss = Loss()
+    loss: Loss = PLAIN
     cpu_kernel: bool = True
 
     def __post_init__(self):
@@ -62,7 +62,7 @@ class CutBCEConfig:
             raise TypeError(f"loss must be a Loss, got {self.loss!r}")
 
 
-def call_config(*, block_v, num_positions, num_items, impl, compute_metrics, block_sizes=None, loss=Loss(),
+def call_config(*, block_v, num_positions, num_items, impl, compute_metrics, block_sizes=None, loss=PLAIN,
                 cpu_kernel=True) -> CutBCEConfig:
     """The one place a call's config is built (the entry, its mesh route and the torch_xla bridge):
     `block_v` is the caller's tile width or None, sized by `shapes.tile_width` for the

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import torch_cutbce as tc
+from jax_kernels.neutral.loss import Loss
 from parity import make_inputs, select, torch_dtype
 
 V, D = 301, 12
@@ -38,18 +39,20 @@ def upstream(rank: int, reduction: str) -> torch.Tensor:
     return torch.rand(shape, generator=torch.Generator().manual_seed(100 + rank), dtype=torch.float64) + 0.5
 
 
-CASES = {  # name: (table layout, positions layout, reduction, dtype, focal)
-    **{f"sharded-{r}": ("shard", "plain", r, "float32", None) for r in ("none", "sum", "mean")},
-    "sharded-focal-mean": ("shard", "plain", "mean", "float32", FOCAL),
-    "sharded-focal-none": ("shard", "plain", "none", "float32", FOCAL),
-    "sharded-bfloat16-mean": ("shard", "plain", "mean", "bfloat16", None),
-    "replicated-mean": ("replicate", "plain", "mean", "float32", None),
-    "hidden-shard-sum": ("shard", "shard", "sum", "float32", None),
-    "hidden-replicate-none": ("shard", "replicate", "none", "float32", None),
-    "hsdp-mean": ("hsdp", "plain", "mean", "float32", None),  # 4 ranks: 2 replicas x 2 shards
-    "plain-constants-sum": ("shard", "plain", "sum", "float32", None),  # class/pos weight plain [V]
-    "dense-backend-none": ("shard", "plain", "none", "float32", None),  # backend='dense' per rank
-    "module-mean": ("shard", "plain", "mean", "float32", FOCAL),  # CutBCEWithLogitsLoss
+PLAIN = Loss()
+SMOOTHED = Loss(FOCAL, label_smoothing=0.1)  # label smoothing (issue 30) with focal
+CASES = {  # name: (table layout, positions layout, reduction, dtype, Loss)
+    **{f"sharded-{r}": ("shard", "plain", r, "float32", PLAIN) for r in ("none", "sum", "mean")},
+    "sharded-focal-mean": ("shard", "plain", "mean", "float32", Loss(FOCAL)),
+    "sharded-focal-smoothing-none": ("shard", "plain", "none", "float32", SMOOTHED),
+    "sharded-bfloat16-mean": ("shard", "plain", "mean", "bfloat16", PLAIN),
+    "replicated-mean": ("replicate", "plain", "mean", "float32", PLAIN),
+    "hidden-shard-sum": ("shard", "shard", "sum", "float32", PLAIN),
+    "hidden-replicate-none": ("shard", "replicate", "none", "float32", PLAIN),
+    "hsdp-mean": ("hsdp", "plain", "mean", "float32", PLAIN),  # 4 ranks: 2 replicas x 2 shards
+    "plain-constants-sum": ("shard", "plain", "sum", "float32", PLAIN),  # class/pos weight plain [V]
+    "dense-backend-none": ("shard", "plain", "none", "float32", PLAIN),  # backend='dense' per rank
+    "module-mean": ("shard", "plain", "mean", "float32", SMOOTHED),  # CutBCEWithLogitsLoss
 }
 
 
@@ -72,7 +75,7 @@ def run_case(rank: int, world: int, name: str, mesh) -> dict:
     """One case on this rank: inputs laid out, the loss, its metrics and gradients."""
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-    table_layout, position_layout, reduction, dtype, focal = CASES[name]
+    table_layout, position_layout, reduction, dtype, loss = CASES[name]
     tdt = torch_dtype(dtype)
     tab = {k: torch.as_tensor(v).to(tdt if k in ("item_weight", "bias") else torch.float32)
            for k, v in table(dtype).items()}
@@ -100,14 +103,14 @@ def run_case(rank: int, world: int, name: str, mesh) -> dict:
     if name.startswith("module"):  # the nn.Module, its weights buffers (plain [V]: each rank its rows)
         loss_fn = tc.CutBCEWithLogitsLoss(reduction, pos_weight=tab["pos_weight"].full_tensor(),
                                           class_weight=tab["class_weight"].full_tensor(), return_metrics=True,
-                                          block_v=16, focal=focal)
+                                          block_v=16, **loss.arguments())
         loss, metrics = loss_fn(leaves["hidden"], leaves["item_weight"], pos["targets"], leaves["bias"],
                                 weight=leaves["weight"])
     else:
         loss, metrics = tc.cut_bce_with_logits(
             leaves["hidden"], leaves["item_weight"], pos["targets"], leaves["bias"], weight=leaves["weight"],
             class_weight=tab["class_weight"], pos_weight=tab["pos_weight"], reduction=reduction,
-            return_metrics=True, block_v=16, focal=focal,
+            return_metrics=True, block_v=16, **loss.arguments(),
             backend="dense" if name.startswith("dense-backend") else "auto")
     g = upstream(source, reduction).to(loss.dtype)
     if isinstance(loss, DTensor):

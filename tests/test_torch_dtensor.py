@@ -31,7 +31,7 @@ def ranks(request):
 
 def _dense(case: str, rank: int, world: int, dtype: str) -> dict:
     """The dense reference of one rank's loss on one process, in `dtype` (float64: the oracle)."""
-    table_layout, position_layout, reduction, case_dtype, focal = R.CASES[case]
+    table_layout, position_layout, reduction, case_dtype, loss = R.CASES[case]
     t = torch_dtype(dtype)
     source = 0 if position_layout == "replicate" else rank
     tab, pos = R.table(case_dtype), R.positions(source, case_dtype)
@@ -43,7 +43,7 @@ def _dense(case: str, rank: int, world: int, dtype: str) -> dict:
     loss, metrics = tc.dense_bce_with_logits(
         leaves["hidden"], leaves["item_weight"], targets, leaves["bias"], weight=leaves["weight"],
         class_weight=torch.as_tensor(tab["class_weight"]).to(t), pos_weight=torch.as_tensor(tab["pos_weight"]).to(t),
-        reduction=reduction, return_metrics=True, focal=focal)
+        reduction=reduction, return_metrics=True, **loss.arguments())
     (loss * R.upstream(source, reduction).to(loss.dtype)).sum().backward()
     out = {"loss": loss.detach(), **metrics._asdict()}
     return out | {f"d_{k}": v.grad for k, v in leaves.items()}

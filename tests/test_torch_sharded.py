@@ -129,9 +129,11 @@ def test_mesh_bridge_scalar_losses_take_one_pass(xla_report, reduction):
 WORLD = 3
 N_SHAPE, V, D, L = (3, 7), 301, 12, 5
 REDUCTIONS = ("none", "sum", "mean")
-# Each variant is a reduction, and the focal loss (issue 15) with 'none' and with 'mean'.
+# Each variant is a reduction, the focal loss (issue 15) with 'mean', and label smoothing (issue 30)
+# with focal and 'none': (reduction, the Loss's arguments).
 FOCAL = tc.Focal(gamma=1.5, alpha=0.25, apply_class_balancing=True)
-VARIANTS = {**{r: (r, None) for r in REDUCTIONS}, "focal-none": ("none", FOCAL), "focal-mean": ("mean", FOCAL)}
+VARIANTS = {**{r: (r, {}) for r in REDUCTIONS}, "focal-smoothing-none": ("none", dict(focal=FOCAL, label_smoothing=0.1)),
+            "focal-mean": ("mean", dict(focal=FOCAL))}
 
 
 def _inputs():
@@ -159,13 +161,13 @@ def _upstream(variant):
 def _loss_and_grads(loss_fn, inputs, rows):
     """For each reduction: loss, metrics and gradients of `sum(loss * upstream)`; `rows` slices the table."""
     out = {}
-    for variant, (reduction, focal) in VARIANTS.items():
+    for variant, (reduction, loss_arguments) in VARIANTS.items():
         leaves = {k: inputs[k].clone().requires_grad_(True) for k in ("hidden", "weight")}
         leaves.update({k: inputs[k][rows].clone().requires_grad_(True) for k in ("item_weight", "bias")})
         loss, metrics = loss_fn(
             leaves["hidden"], leaves["item_weight"], inputs["targets"], leaves["bias"], weight=leaves["weight"],
             class_weight=inputs["class_weight"][rows], pos_weight=inputs["pos_weight"][rows],
-            reduction=reduction, return_metrics=True, block_v=16, focal=focal,
+            reduction=reduction, return_metrics=True, block_v=16, **loss_arguments,
         )
         (loss * _upstream(variant)).sum().backward()
         out[variant] = {"loss": loss.detach(), **metrics._asdict(), **{f"d_{k}": v.grad for k, v in leaves.items()}}

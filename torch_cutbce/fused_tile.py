@@ -35,7 +35,7 @@ import warnings
 import torch
 
 from jax_kernels.neutral import cpu_tile_build, tile_choice  # framework-neutral: no jax import
-from jax_kernels.neutral.loss import Loss, Numbers
+from jax_kernels.neutral.loss import PLAIN, Loss, Numbers
 from torch_cutbce import branch_math
 
 _compile_seconds: dict[str, float] = {}
@@ -411,9 +411,6 @@ def _run_compiled(name: str, z: torch.Tensor, *args, announce: bool = True):
 
 
 # Shapes: z and out `[bn, bv]` (contiguous), cw `[1, bv]` or None, g `[bn, 1]`.
-
-
-PLAIN = Loss()
 
 
 def rows(z: torch.Tensor, cw: torch.Tensor | None, loss: Loss = PLAIN) -> torch.Tensor:

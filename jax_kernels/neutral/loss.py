@@ -123,3 +123,6 @@ def check_label_smoothing(value) -> float:
         raise ValueError(f"label_smoothing must be 0 or at least {MIN_LABEL_SMOOTHING!r} (its half must be a "
                          f"normal float32 number), got {value!r}")
     return float(value)
+
+
+PLAIN = Loss()  # plain BCE: the default of every call

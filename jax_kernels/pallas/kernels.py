@@ -55,7 +55,7 @@ def _logits(h, w, bias_row, items_in_lanes):
 
 
 def _item_tile(w_ref, b_ref, c_ref, p_ref, tile_index, *, ragged_v, v_total, block_v,
-               items_in_lanes):
+               items_in_lanes, weigh_masked=False):
     """Load the item tile `(w, bias_row, cw_row, pw_row)`: w `[D, bv]` when `items_in_lanes`, else
     `[bv, D]`; each row `[1, bv]` or None.
 
@@ -64,7 +64,8 @@ def _item_tile(w_ref, b_ref, c_ref, p_ref, tile_index, *, ragged_v, v_total, blo
     no-ops at the source: zero their item_weight entries, set their bias to a huge negative logit
     and their class and pos weights to 0. Then z = -1e30 there (and y is False: ids are < V), so
     softplus(zs) = sigmoid(zs) = 0 and z > 0 is false, exactly. This costs selects on the
-    `D x bv` tile and `[1, bv]` rows only.
+    `D x bv` tile and `[1, bv]` rows only. `weigh_masked`: a loss whose term is not 0 at z = -1e30
+    (label smoothing's c |z|) gets a class-weight row of 1, 0 past V, where it had none.
     """
     w = w_ref[...]
     bias_row, cw_row, pw_row = (None if r is None else r[...] for r in (b_ref, c_ref, p_ref))
@@ -78,6 +79,8 @@ def _item_tile(w_ref, b_ref, c_ref, p_ref, tile_index, *, ragged_v, v_total, blo
         # row, and Mosaic has no float64.
         zero, masked = jnp.float32(0.0), jnp.float32(_MASKED_LOGIT)
         bias_row = jnp.where(valid_row, zero if bias_row is None else bias_row, masked)
+        if weigh_masked and cw_row is None:
+            cw_row = jnp.ones((1, block_v), jnp.float32)
         cw_row, pw_row = (None if r is None else jnp.where(valid_row, r, zero)
                           for r in (cw_row, pw_row))
     return w, bias_row, cw_row, pw_row
@@ -187,7 +190,8 @@ def forward_kernel(*refs, flags, compute_counts, loss, **item_tile_options):
         for ref in out_refs:
             ref[...] = jnp.zeros(ref.shape, jnp.float32)
 
-    w, bias_row, cw_row, pw_row = _item_tile(w_ref, b_ref, c_ref, p_ref, j, **item_tile_options)
+    w, bias_row, cw_row, pw_row = _item_tile(w_ref, b_ref, c_ref, p_ref, j, weigh_masked=not loss.plain,
+                                             **item_tile_options)
     z_ref[...] = _logits(h_ref[...], w, bias_row, item_tile_options["items_in_lanes"])
     columns = _columns(j, item_tile_options["block_v"])
 
@@ -220,7 +224,8 @@ def d_hidden_kernel(*refs, flags, with_rows, compute_counts, loss, **item_tile_o
     # This kernel contracts over items: past V, dz / g is exactly 0 and the item_weight rows are
     # zeros (0 * NaN would poison the matmul), see _item_tile.
     items_in_lanes = item_tile_options["items_in_lanes"]
-    w, bias_row, cw_row, pw_row = _item_tile(w_ref, b_ref, c_ref, p_ref, j, **item_tile_options)
+    w, bias_row, cw_row, pw_row = _item_tile(w_ref, b_ref, c_ref, p_ref, j, weigh_masked=not loss.plain,
+                                             **item_tile_options)
     z_ref[...] = _logits(h_ref[...], w, bias_row, items_in_lanes)
     columns = _columns(j, item_tile_options["block_v"])
 

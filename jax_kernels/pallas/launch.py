@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from jax_kernels.neutral.shapes import KERNEL_DTYPES, ArraySpec, check_arguments
 from jax_kernels.pallas.block_sizes import LANES, BlockSizes, default_block_sizes
-from jax_kernels.neutral.loss import Loss
+from jax_kernels.neutral.loss import PLAIN, Loss
 from jax_kernels.pallas.calls import d_hidden_call, d_item_call, forward_call, on_platform
 
 def _spec(x):
@@ -91,7 +91,7 @@ def pallas_forward(
     *,
     compute_counts: bool,
     block_sizes: BlockSizes | None = None,
-    loss: Loss = Loss(),
+    loss: Loss = PLAIN,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """Exact per-row loss, without materializing `[N, V]` logits (formulas: docs/jax.md).
 
@@ -134,7 +134,7 @@ def pallas_backward(
     g: jax.Array,
     *,
     block_sizes: BlockSizes | None = None,
-    loss: Loss = Loss(),
+    loss: Loss = PLAIN,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """Gradients of `sum_n g[n] * rows[n]` with respect to hidden, item_weight and bias.
 
@@ -175,7 +175,7 @@ def pallas_value_and_grad(
     *,
     compute_counts: bool,
     block_sizes: BlockSizes | None = None,
-    loss: Loss = Loss(),
+    loss: Loss = PLAIN,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None, jax.Array, jax.Array, jax.Array | None]:
     """`pallas_forward` and `pallas_backward` in two kernels instead of three.
 
