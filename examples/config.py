@@ -19,7 +19,7 @@ from examples import data
 from torch_cutbce import Focal
 
 MODEL_NAMES = ("sasrec", "bert4rec")
-LOSSES = ("cutbce", "focal", "dense", "sampled")
+LOSSES = ("cutbce", "focal", "dense", "sampled", "ce")
 NORMALIZATIONS = ("items", "positions", "mean")
 OPTIMIZERS = ("adam", "adamw")
 # AdamW's weight decay when --weight-decay is not given: torch's own default.
@@ -46,7 +46,9 @@ class TrainConfig:
     loss: str = option("cutbce", "cutbce; focal: focal CutBCE (--focal-gamma, --focal-alpha, "
                                  "--focal-balancing); dense: the materialized BCEWithLogitsLoss it replaces (the A/B); "
                                  "sampled (sasrec only): the next item against --negatives uniformly sampled items the "
-                                 "user has not seen, the BCE of common PyTorch SASRec code (the baseline)",
+                                 "user has not seen, the BCE of common PyTorch SASRec code (the baseline); ce: "
+                                 "full-softmax cross-entropy over all items on one target per position (SASRec: the "
+                                 "next item; BERT4Rec: the masked item), the other full-catalog baseline",
                        choices=LOSSES)
     negatives: int = option(1, "--loss sampled: sampled negatives per position")
     normalization: str = option("positions", "what the summed BCE of cutbce/focal/dense is divided by: positions = "
@@ -54,7 +56,8 @@ class TrainConfig:
                                              "positions x V; mean = reduction='mean', B x T x V, padded positions "
                                              "included. items and mean make gradients ~V times smaller, below "
                                              "Adam's eps from V ~ 2e4 on (examples/RESULTS.md). --loss sampled: "
-                                             "always its own mean over real positions",
+                                             "always its own mean over real positions; --loss ce: the mean over "
+                                             "real positions, i.e. positions only",
                                 choices=NORMALIZATIONS)
     focal_gamma: float = option(2.0, "--loss focal: the focusing exponent gamma >= 0")
     focal_alpha: float = option(0.25, "--loss focal with --focal-balancing: the positives' weight alpha in [0, 1]")
@@ -131,6 +134,8 @@ class TrainConfig:
                              f"got --model {self.model}")
         if self.loss == "sampled" and self.mesh:
             raise ValueError(f"--loss sampled runs on one device, got --mesh {self.mesh}")
+        if self.loss == "ce":
+            self._check_ce()
         if self.exclude_seen not in ("auto", "yes", "no"):
             raise ValueError(f"--exclude-seen must be auto, yes or no, got {self.exclude_seen!r}")
         if self.mesh and (self.device != "xla" or not re.fullmatch(r"[1-9]\d*x[1-9]\d*", self.mesh)):
@@ -175,6 +180,17 @@ class TrainConfig:
         if not self.out_dir:
             self.out_dir = f"runs/{self.model}-{self.dataset}-{self.loss}-seed{self.seed}"
 
+    def _check_ce(self):
+        """--loss ce: a softmax over the catalog has no positive weight and one normalisation (per real
+        position), and runs on one device (the SPMD and FSDP routes shard CutBCE's table reads)."""
+        if self.pos_weight != 1.0:
+            raise ValueError(f"--loss ce has no positive weight (a softmax has one class per position), "
+                             f"got --pos-weight {self.pos_weight}")
+        if self.normalization != "positions":
+            raise ValueError(f"--loss ce is the mean over real positions (--normalization positions), "
+                             f"got --normalization {self.normalization}")
+        if self.mesh:
+            raise ValueError(f"--loss ce runs on one device, got --mesh {self.mesh}")
 
     def _check_fsdp(self):
         if self.device == "xla" or self.mesh:

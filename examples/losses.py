@@ -1,14 +1,17 @@
-"""The training example's losses: full-catalog BCE (CutBCE, focal, dense) and the sampled-BCE baseline.
+"""The training example's losses: full-catalog BCE (CutBCE, focal, dense) and two baselines.
 
 `bce_loss` scores every position against all V items; `--normalization` says what its sum is
 divided by. `sampled_bce_loss` is what common PyTorch SASRec code trains with: the next item
-against a few sampled items, the baseline that CutBCE's full catalog replaces.
+against a few sampled items, the baseline that CutBCE's full catalog replaces. `softmax_ce_loss`
+is the other common full-catalog objective: cross-entropy of a softmax over all V items, one
+target item per position.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from torch_cutbce import Focal, cut_bce_with_logits
 
@@ -82,3 +85,43 @@ def sampled_bce_loss(hidden, item_weight, bias, positives, negatives, weight, po
     neg_term = F.binary_cross_entropy_with_logits(neg_logits, torch.zeros_like(neg_logits), reduction="none")
     real = weight.sum().clamp(min=1)
     return (pos_weight * (pos_term * weight).sum() + (neg_term.mean(-1) * weight).sum()) / real
+
+
+def softmax_ce_loss(hidden, item_weight, bias, targets, weight, chunk_positions: int = 4096) -> torch.Tensor:
+    """Full-softmax cross-entropy over the whole catalog, the mean over real positions (exact).
+
+    Each position's logits over all V items, `hidden @ item_weight.T + bias`, go through
+    `F.cross_entropy` against one target: `targets[..., 0]`, the first positive of the example's
+    multi-label lists, i.e. SASRec's next item (the k - 1 after it are not used: a softmax has one
+    class per position) and BERT4Rec's hidden item itself. The logits are made for
+    `chunk_positions` positions at a time; with more than one chunk each is under activation
+    checkpointing, so at most one `[chunk_positions, V]` block (and its gradient) is alive. The value
+    and gradients are those of the whole `[B, T, V]` computation (a batch of 64 x 50 positions is
+    one chunk: exactly the plain code).
+
+    Args:
+        hidden: `[B, T, D]` position states.
+        item_weight: `[V, D]` item vectors; bias: `[V]` or None.
+        targets: `[B, T, k]` positive catalog ids, -1 = padding; the first one is the class.
+        weight: `[B, T]` 1 at real positions, 0 at padding.
+        chunk_positions: positions per logits block (>= 1).
+    """
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    classes = targets[..., 0].reshape(-1).clamp(min=0)  # padding positions get weight 0; any class will do
+    weight = weight.reshape(-1).to(hidden.dtype)
+    if hidden.shape[0] <= chunk_positions:  # one block: the plain computation, as model code writes it
+        return _ce_sum(hidden, item_weight, bias, classes, weight) / weight.sum().clamp(min=1)
+    total = hidden.new_zeros(())
+    for lo in range(0, hidden.shape[0], chunk_positions):
+        rows = slice(lo, lo + chunk_positions)
+        total = total + torch.utils.checkpoint.checkpoint(
+            _ce_sum, hidden[rows], item_weight, bias, classes[rows], weight[rows], use_reentrant=False)
+    return total / weight.sum().clamp(min=1)
+
+
+def _ce_sum(hidden, item_weight, bias, classes, weight) -> torch.Tensor:
+    """sum_n weight[n] * CE(hidden[n] @ item_weight.T + bias, classes[n]) for one chunk of positions."""
+    logits = hidden @ item_weight.T
+    if bias is not None:
+        logits = logits + bias
+    return (F.cross_entropy(logits, classes, reduction="none") * weight).sum()

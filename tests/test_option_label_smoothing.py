@@ -72,7 +72,7 @@ def test_the_keras_transcription_can_fail():
     """The comparison sees a wrong smoothing: eps 0.1 vs Keras at 0.11 differ past the tolerance."""
     inputs = conformance.inputs_for(11, "float64", OPTIONS, large_logits=False)
     a, b = keras_rows(inputs, 0.1), keras_rows(inputs, 0.11)
-    assert (a > 0).sum() >= 10 and np.abs(a[b > 0] / b[b > 0] - 1).min() > 1e-4  # weight 0 rows are 0 in both
+    assert (a > 0).sum() >= 10 and np.abs(a[b > 0] / b[b > 0] - 1).max() > 1e-4  # weight 0 rows are 0 in both
 
 
 def test_the_module_takes_label_smoothing():
