@@ -58,7 +58,7 @@ def main(argv=None):
 
     def two_passes():
         options = CutBCEOptions(block_v=block_v, **mesh_layout(mesh, "model", "data"))
-        rows, counts = xla_bridge.cut_bce_rows(hidden, items, None, None, None, targets, options)
+        rows, counts = xla_bridge.cut_bce_rows(hidden, items, targets, None, None, None, options)
         return reduce_rows(rows, counts, None, "mean", (n,), v, False)
 
     def one_pass():

@@ -86,7 +86,7 @@ def _native(inputs):
     from torch_cutbce import ops
 
     h, e, b = (inputs[k].clone().requires_grad_(True) for k in ("hidden", "item_weight", "bias"))
-    rows, counts = ops.rows(h, e, b, inputs["class_weight"], inputs["pos_weight"], inputs["targets"], _options(True))
+    rows, counts = ops.rows(h, e, inputs["targets"], b, inputs["class_weight"], inputs["pos_weight"], _options(True))
     (rows * inputs["upstream"]).sum().backward()
     return {"rows": rows.detach(), "counts": counts, "d_hidden": h.grad, "d_item_weight": e.grad, "d_bias": b.grad}
 
@@ -113,7 +113,7 @@ def _plain_rows(t, mesh):
     from torch_cutbce import xla_bridge
 
     return xla_bridge.cut_bce_rows(
-        t["hidden"], t["item_weight"], t["bias"], t["class_weight"], t["pos_weight"], t["targets"], _options(True),
+        t["hidden"], t["item_weight"], t["targets"], t["bias"], t["class_weight"], t["pos_weight"], _options(True),
     )
 
 
@@ -183,11 +183,11 @@ def _train(device, rows_fn, mesh=None, steps=5):
 def _native_rows(hidden, item_weight, bias, targets, mesh):
     from torch_cutbce import ops
 
-    return ops.rows(hidden, item_weight, bias, None, None, targets, _options(False))
+    return ops.rows(hidden, item_weight, targets, bias, None, None, _options(False))
 
 
 def _sharded_rows(hidden, item_weight, bias, targets, mesh):
-    return xla_bridge.cut_bce_rows(hidden, item_weight, bias, None, None, targets,
+    return xla_bridge.cut_bce_rows(hidden, item_weight, targets, bias, None, None,
                                    _options(False, mesh, vocab_axis="model", data_axis="data"))
 
 
@@ -208,12 +208,12 @@ def _measure_without_bias(inputs):
     from torch_cutbce import ops
 
     h = inputs["hidden"].clone().requires_grad_(True)
-    rows, _ = ops.rows(h, inputs["item_weight"], None, None, None, inputs["targets"], _options(False))
+    rows, _ = ops.rows(h, inputs["item_weight"], inputs["targets"], None, None, None, _options(False))
     (rows * inputs["upstream"]).sum().backward()
     mesh = xs.Mesh(np.arange(4), (2, 2), ("data", "model"))
     hx = inputs["hidden"].to(torch_xla.device()).requires_grad_(True)
     rows_x, _ = xla_bridge.cut_bce_rows(
-        hx, inputs["item_weight"].to(hx.device), None, None, None, inputs["targets"].to(hx.device),
+        hx, inputs["item_weight"].to(hx.device), inputs["targets"].to(hx.device), None, None, None,
         _options(False, mesh, vocab_axis="model", data_axis="data"),
     )
     (rows_x * inputs["upstream"].to(hx.device)).sum().backward()
@@ -273,7 +273,7 @@ def main(out_path: str, dump_dir: str) -> None:
     for name, (mesh_shape, axis_names, vocab_axis, data_axis) in CASES.items():
         def rows_fn(t, mesh, vocab_axis=vocab_axis, data_axis=data_axis):
             return xla_bridge.cut_bce_rows(
-                t["hidden"], t["item_weight"], t["bias"], t["class_weight"], t["pos_weight"], t["targets"],
+                t["hidden"], t["item_weight"], t["targets"], t["bias"], t["class_weight"], t["pos_weight"],
                 _options(True, mesh, vocab_axis=vocab_axis, data_axis=data_axis),
             )
 

@@ -240,14 +240,14 @@ def _checked_targets(ops: Registered, hidden, item_weight, targets, options: Cut
     return int32_targets(targets, item_weight.shape[0])
 
 
-def cut_bce_rows(ops: Registered, hidden, item_weight, bias, class_weight, pos_weight, targets,
+def cut_bce_rows(ops: Registered, hidden, item_weight, targets, bias, class_weight, pos_weight,
                  options: CutBCEOptions):
-    """Rows `[N]` and counts `[4 or 0, N]` through `ops.rows` (the native op's argument order)."""
+    """Rows `[N]` and counts `[4 or 0, N]` through `ops.rows` (the one argument order)."""
     targets = _checked_targets(ops, hidden, item_weight, targets, options)
     return ops.rows(hidden, item_weight, targets, bias, class_weight, pos_weight, options.encode())
 
 
-def cut_bce_weighted_sum(ops: Registered, hidden, item_weight, bias, class_weight, pos_weight, targets,
+def cut_bce_weighted_sum(ops: Registered, hidden, item_weight, targets, bias, class_weight, pos_weight,
                          row_weight, options: CutBCEOptions):
     """`(sum_n row_weight[n] rows[n], counts [4 or 0, N])` through `ops.weighted_sum`, gradients
     computed in the forward; `row_weight` `[N]` gets the rows as its gradient."""

@@ -339,9 +339,9 @@ def _slice_ids(targets, layout: Layout):
 def _slice_rows(engine, flat, options, layout: Layout):
     """`engine.rows` on this rank's slice of the table; a rank without rows (uneven shards) gives zero
     rows that still depend on hidden, so every rank's backward runs the same collectives."""
-    hidden, item_weight, bias, class_weight, pos_weight, targets = flat
+    hidden, item_weight, targets, bias, class_weight, pos_weight = flat
     if layout.stop > layout.start:
-        return engine.rows((hidden, item_weight, bias, class_weight, pos_weight, _slice_ids(targets, layout)),
+        return engine.rows((hidden, item_weight, _slice_ids(targets, layout), bias, class_weight, pos_weight),
                            options, None)
     n = hidden.shape[0]
     rows = hidden[:, :0].sum(-1).to(accumulation_dtype(hidden.dtype))
@@ -351,10 +351,10 @@ def _slice_rows(engine, flat, options, layout: Layout):
 def layout_rows(layout: Layout, engine, flat, options):
     """`(rows [n], counts [4 or 0, n])` of this rank's positions over the whole catalog.
 
-    `flat = (hidden [n, D], item_weight [V_local, D], bias, class_weight, pos_weight, targets [n, L])`
+    `flat = (hidden [n, D], item_weight [V_local, D], targets [n, L], bias, class_weight, pos_weight)`
     as `localize` made them; `options` without an offset (ids are sliced here, for any engine).
     """
-    hidden, item_weight, bias, class_weight, pos_weight, targets = flat
+    hidden, item_weight, targets, bias, class_weight, pos_weight = flat
     if layout.table != "sharded":  # the whole table: the engine checks the ids itself
         return engine.rows(flat, options, None)
     check_ids_below_vocab(targets, layout.num_items)  # before slicing: each rank its own ids, the global V
@@ -366,7 +366,7 @@ def layout_rows(layout: Layout, engine, flat, options):
     n_max, slots_max = _largest_over_ranks((n, slots), hidden.device, group)
     hidden_all = _GatherPositions.apply(F.pad(hidden, (0, 0, 0, n_max - n)), group)
     targets_all = _gather_no_grad(F.pad(targets, (0, slots_max - slots, 0, n_max - n), value=-1), group)
-    rows, counts = _slice_rows(engine, (hidden_all, item_weight, bias, class_weight, pos_weight, targets_all),
+    rows, counts = _slice_rows(engine, (hidden_all, item_weight, targets_all, bias, class_weight, pos_weight),
                                options, layout)
     # One reduce_scatter: counts are integers below 2**24, exact in float32 and float64.
     own_rows, own_counts = _ScatterRows.apply(rows, counts.T, group)

@@ -14,8 +14,8 @@ applies the position weight to the rows and reduces them (`reduction.reduce_rows
     torch_tpu       the TorchTPU bridge (tpu_bridge.py, imported on first use): the same JAX
                     engines through `torch.tpu.pallas.jax_op`, `tpu` tensors (or `meta`, shapes only)
 
-Every engine takes `flat = (hidden [N, D], item_weight [V, D], bias, class_weight, pos_weight,
-targets [N, L])`, the options, and the `VocabParallelOptions` (None except for vocab_parallel):
+Every engine takes `flat = (hidden [N, D], item_weight [V, D], targets [N, L], bias, class_weight,
+pos_weight)` (the one argument order, the entry's), the options, and the `VocabParallelOptions` (None except for vocab_parallel):
 `rows(flat, options, vocab_parallel) -> (rows [N], counts [4 or 0, N])` and
 `weighted_sum(flat, weight [N] or None, divisor, options, vocab_parallel) -> (sum_n weight[n]
 rows[n] / divisor, counts [4 or 0] weighted and summed)`.
@@ -63,8 +63,7 @@ def _native_rows(flat, options, vocab_parallel):
 
 
 def _native_weighted_sum(flat, weight, divisor, options, vocab_parallel):
-    hidden, item_weight, bias, class_weight, pos_weight, targets = flat
-    return ops.loss(hidden, item_weight, bias, weight, class_weight, pos_weight, targets, divisor, options)
+    return ops.loss(*flat, weight, divisor, options)
 
 
 def _vocab_parallel_rows(flat, options, vocab_parallel):
@@ -76,13 +75,11 @@ def _vocab_parallel_rows(flat, options, vocab_parallel):
 def _vocab_parallel_weighted_sum(flat, weight, divisor, options, vocab_parallel):
     from torch_cutbce.vocab_parallel import vocab_parallel_loss
 
-    hidden, item_weight, bias, class_weight, pos_weight, targets = flat
-    return vocab_parallel_loss(hidden, item_weight, bias, weight, class_weight, pos_weight, targets, divisor,
-                               options, vocab_parallel=vocab_parallel)
+    return vocab_parallel_loss(*flat, weight, divisor, options, vocab_parallel=vocab_parallel)
 
 
 def _dense(flat, weight, options, reduction):
-    hidden, item_weight, bias, class_weight, pos_weight, targets = flat
+    hidden, item_weight, targets, bias, class_weight, pos_weight = flat
     check_ids_below_vocab(targets, item_weight.shape[0])
     return dense_bce_with_logits(hidden, item_weight, targets, bias, weight=weight, class_weight=class_weight,
                                  pos_weight=pos_weight, reduction=reduction, return_metrics=True,

@@ -146,7 +146,7 @@ def cut_bce_with_logits(
         **(arguments.mesh_layout(mesh, vocab_axis, data_axis) if engine.takes_mesh else {}),
         **({} if vocab_parallel is None else dict(offset=vocab_parallel.start, id_limit=vocab_parallel.num_items)),
     )
-    flat = (hidden, item_weight, bias, class_weight, pos_weight, targets)
+    flat = (hidden, item_weight, targets, bias, class_weight, pos_weight)
     if layout is not None:  # each rank its positions' rows over the whole catalog, reduced here
         rows, counts = distributed.layout_rows(layout, engine, flat, options)
         return reduce_rows(rows, counts, weight, reduction, lead_shape, num_items, return_metrics)

@@ -110,7 +110,7 @@ def _grad_buffers(h, item_weight, bias, need_h, need_items, need_bias):
     )
 
 
-def rows_forward(hidden, item_weight, bias, class_weight, pos_weight, targets, options):
+def rows_forward(hidden, item_weight, targets, bias, class_weight, pos_weight, options):
     """Per-position rows (weight 1) over the table's items `[offset, offset + V)`.
 
     `targets [N, L]` are global ids; ids outside the table's range are ignored like padding
@@ -143,7 +143,7 @@ def rows_forward(hidden, item_weight, bias, class_weight, pos_weight, targets, o
     return rows.to(acc), counts, logits, ids
 
 
-def rows_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, logits, g, need, options):
+def rows_backward(hidden, item_weight, ids, bias, class_weight, pos_weight, logits, g, need, options):
     """Gradients of `sum_n g[n] rows[n]`: `(d_hidden, d_items, d_bias)` in the accumulation dtype,
     None where `need` (three bools) says no. Recomputes every logits tile (a fourth matmul per tile).
     Reads `options.block_v` and `loss`."""
@@ -163,7 +163,7 @@ def rows_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, logi
     return d_hidden, d_items, d_bias
 
 
-def loss_and_grads(hidden, item_weight, bias, weight, class_weight, pos_weight, targets, divisor, need, options):
+def loss_and_grads(hidden, item_weight, targets, bias, class_weight, pos_weight, weight, divisor, need, options):
     """The 'sum' / 'mean' loss `sum_n weight[n] rows[n] / divisor` and its gradients, in one pass.
 
     Reads `options.block_v`, `compute_metrics`, `offset` and `loss`.

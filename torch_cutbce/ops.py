@@ -54,16 +54,16 @@ def _check_ids(targets: Tensor, item_weight: Tensor, options: CutBCEOptions) -> 
 
 
 @torch.library.custom_op("torch_cutbce::rows", mutates_args=())
-def _rows(hidden: Tensor, item_weight: Tensor, bias: Tensor | None, class_weight: Tensor | None,
-          pos_weight: Tensor | None, targets: Tensor, options: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _rows(hidden: Tensor, item_weight: Tensor, targets: Tensor, bias: Tensor | None, class_weight: Tensor | None,
+          pos_weight: Tensor | None, options: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     o = decode(options)
     _check_ids(targets, item_weight, o)
     with torch.autocast(hidden.device.type, enabled=False), torch.no_grad():
-        return native.rows_forward(hidden, item_weight, bias, class_weight, pos_weight, targets, o)
+        return native.rows_forward(hidden, item_weight, targets, bias, class_weight, pos_weight, o)
 
 
 @_rows.register_fake
-def _(hidden, item_weight, bias, class_weight, pos_weight, targets, options):
+def _(hidden, item_weight, targets, bias, class_weight, pos_weight, options):
     acc = positives.accumulation_dtype(hidden.dtype)
     n = hidden.shape[0]
     return (hidden.new_empty((n,), dtype=acc),
@@ -73,17 +73,17 @@ def _(hidden, item_weight, bias, class_weight, pos_weight, targets, options):
 
 
 @torch.library.custom_op("torch_cutbce::rows_backward", mutates_args=())
-def _rows_backward(hidden: Tensor, item_weight: Tensor, bias: Tensor | None, class_weight: Tensor | None,
-                   pos_weight: Tensor | None, ids: Tensor, logits: Tensor, g: Tensor, need: list[bool],
-                   options: str) -> tuple[Tensor, Tensor, Tensor]:
+def _rows_backward(hidden: Tensor, item_weight: Tensor, ids: Tensor, bias: Tensor | None,
+                   class_weight: Tensor | None, pos_weight: Tensor | None, logits: Tensor, g: Tensor,
+                   need: list[bool], options: str) -> tuple[Tensor, Tensor, Tensor]:
     with torch.autocast(hidden.device.type, enabled=False), torch.no_grad():
-        grads = native.rows_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, logits, g,
+        grads = native.rows_backward(hidden, item_weight, ids, bias, class_weight, pos_weight, logits, g,
                                      tuple(need), decode(options))
     return tuple(_no_grad_buffer(logits) if d is None else d for d in grads)
 
 
 @_rows_backward.register_fake
-def _(hidden, item_weight, bias, class_weight, pos_weight, ids, logits, g, need, options):
+def _(hidden, item_weight, ids, bias, class_weight, pos_weight, logits, g, need, options):
     shapes = (hidden.shape, item_weight.shape, item_weight.shape[:1])
     return tuple(logits.new_empty(shape if wanted else (0,)) for shape, wanted in zip(shapes, need))
 
@@ -91,8 +91,8 @@ def _(hidden, item_weight, bias, class_weight, pos_weight, ids, logits, g, need,
 def _rows_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(*output[1:])  # counts, the positives' logits and ids
     ctx.set_materialize_grads(False)
-    hidden, item_weight, bias, class_weight, pos_weight, _, options = inputs
-    ctx.save_for_backward(hidden, item_weight, bias, class_weight, pos_weight, output[3], output[2])
+    hidden, item_weight, _, bias, class_weight, pos_weight, options = inputs
+    ctx.save_for_backward(hidden, item_weight, output[3], bias, class_weight, pos_weight, output[2])
     ctx.options = options
 
 
@@ -100,21 +100,22 @@ def _rows_grad(ctx, g_rows, _g_counts, _g_logits, _g_ids):
     _refuse_double_backward()
     if g_rows is None:  # the rows' gradient is undefined (not materialized): every input's is too
         return (None,) * 7
-    hidden, item_weight, bias, class_weight, pos_weight, ids, logits = ctx.saved_tensors
-    need = ctx.needs_input_grad[:3]
-    need = [need[0], need[1], need[2] and bias is not None]
-    grads = _rows_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, logits, g_rows, need,
+    hidden, item_weight, ids, bias, class_weight, pos_weight, logits = ctx.saved_tensors
+    wants = ctx.needs_input_grad
+    need = [wants[0], wants[1], wants[3] and bias is not None]
+    grads = _rows_backward(hidden, item_weight, ids, bias, class_weight, pos_weight, logits, g_rows, need,
                            ctx.options)
-    inputs = (hidden, item_weight, bias)
-    return (*(_cast(d, x.dtype) if n else None for d, x, n in zip(grads, inputs, need)), None, None, None, None)
+    d_hidden, d_items, d_bias = (_cast(d, x.dtype) if n else None
+                                 for d, x, n in zip(grads, (hidden, item_weight, bias), need))
+    return d_hidden, d_items, None, d_bias, None, None, None  # targets, class/pos weight, options: none
 
 
 _rows.register_autograd(_rows_grad, setup_context=_rows_setup)
 
 
-def rows(hidden, item_weight, bias, class_weight, pos_weight, targets, options: CutBCEOptions):
+def rows(hidden, item_weight, targets, bias, class_weight, pos_weight, options: CutBCEOptions):
     """`(rows [N], counts [4, N] or [0, N])` of `native.rows_forward` for `[N, D]` / `[N, L]` inputs."""
-    out = _rows(hidden, item_weight, bias, class_weight, pos_weight, targets, options.encode())
+    out = _rows(hidden, item_weight, targets, bias, class_weight, pos_weight, options.encode())
     return out[0], out[1]
 
 
@@ -122,20 +123,20 @@ def rows(hidden, item_weight, bias, class_weight, pos_weight, targets, options: 
 
 
 @torch.library.custom_op("torch_cutbce::loss", mutates_args=())
-def _loss(hidden: Tensor, item_weight: Tensor, bias: Tensor | None, weight: Tensor | None,
-          class_weight: Tensor | None, pos_weight: Tensor | None, targets: Tensor, divisor: float,
-          need: list[bool], options: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _loss(hidden: Tensor, item_weight: Tensor, targets: Tensor, bias: Tensor | None, class_weight: Tensor | None,
+          pos_weight: Tensor | None, weight: Tensor | None, divisor: float, need: list[bool],
+          options: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     o = decode(options)
     _check_ids(targets, item_weight, o)
     with torch.autocast(hidden.device.type, enabled=False), torch.no_grad():
-        out = native.loss_and_grads(hidden, item_weight, bias, weight, class_weight, pos_weight, targets,
+        out = native.loss_and_grads(hidden, item_weight, targets, bias, class_weight, pos_weight, weight,
                                     divisor, tuple(need), o)
     loss, counts, row_losses = out[:3]
     return (loss, counts, row_losses, *(_no_grad_buffer(row_losses) if d is None else d for d in out[3:]))
 
 
 @_loss.register_fake
-def _(hidden, item_weight, bias, weight, class_weight, pos_weight, targets, divisor, need, options):
+def _(hidden, item_weight, targets, bias, class_weight, pos_weight, weight, divisor, need, options):
     acc = positives.accumulation_dtype(hidden.dtype)
     grads = [hidden.new_empty(shape if wanted else (0,), dtype=acc) for shape, wanted in
              zip((hidden.shape, item_weight.shape, item_weight.shape[:1]), need)]
@@ -149,8 +150,9 @@ def _loss_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(*output[2:])
-    ctx.dtypes = [None if x is None else x.dtype for x in inputs[:4]]  # hidden, item_weight, bias, weight
-    ctx.divisor, ctx.used = inputs[7], False
+    hidden, item_weight, _, bias, _, _, weight = inputs[:7]
+    ctx.dtypes = [None if x is None else x.dtype for x in (hidden, item_weight, bias, weight)]
+    ctx.divisor, ctx.used = inputs[7], False  # divisor: after the six tensors and weight
 
 
 def _loss_grad(ctx, g_loss, *_):
@@ -163,25 +165,27 @@ def _loss_grad(ctx, g_loss, *_):
         )
     ctx.used = True
     row_losses, *grads = ctx.saved_tensors
-    need = ctx.needs_input_grad[:4]
-    out = [_cast(d.mul_(g_loss.to(d.dtype)), dtype) if n else None for d, dtype, n in zip(grads, ctx.dtypes, need)]
+    wants = ctx.needs_input_grad
+    need = (wants[0], wants[1], wants[3], wants[6])  # hidden, item_weight, bias, weight
+    d_hidden, d_items, d_bias = (_cast(d.mul_(g_loss.to(d.dtype)), dtype) if n else None
+                                 for d, dtype, n in zip(grads, ctx.dtypes, need))
     d_weight = None
     if need[3]:
         scale = g_loss.to(row_losses.dtype) / torch.tensor(ctx.divisor, dtype=row_losses.dtype)
         d_weight = (row_losses * scale).to(ctx.dtypes[3])
-    return (*out, d_weight, None, None, None, None, None, None)  # class/pos weight, targets, divisor, need, options
+    return d_hidden, d_items, None, d_bias, None, None, d_weight, None, None, None  # divisor, need, options
 
 
 _loss.register_autograd(_loss_grad, setup_context=_loss_setup)
 
 
-def loss(hidden, item_weight, bias, weight, class_weight, pos_weight, targets, divisor: float,
+def loss(hidden, item_weight, targets, bias, class_weight, pos_weight, weight, divisor: float,
          options: CutBCEOptions):
     """`(loss [], counts [4] or [0])` of `native.loss_and_grads` for `[N, D]` / `[N, L]` inputs: the
     weighted rows' sum over `divisor`, the gradients computed only for the inputs that require them
     while grad mode is on."""
     grad_on = torch.is_grad_enabled()
     need = [grad_on and x is not None and x.requires_grad for x in (hidden, item_weight, bias)]
-    out = _loss(hidden, item_weight, bias, weight, class_weight, pos_weight, targets, float(divisor), need,
+    out = _loss(hidden, item_weight, targets, bias, class_weight, pos_weight, weight, float(divisor), need,
                 options.encode())
     return out[0], out[1]

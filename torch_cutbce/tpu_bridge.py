@@ -89,16 +89,16 @@ def _check_device(hidden: torch.Tensor) -> None:
                          f"only), got hidden on {hidden.device}")
 
 
-def cut_bce_rows(hidden, item_weight, bias, class_weight, pos_weight, targets, options: CutBCEOptions):
-    """Rows `[N]` and counts `[4 or 0, N]` for `cut_bce_with_logits` (the native op's argument order)."""
+def cut_bce_rows(hidden, item_weight, targets, bias, class_weight, pos_weight, options: CutBCEOptions):
+    """Rows `[N]` and counts `[4 or 0, N]` for `cut_bce_with_logits` (the one argument order)."""
     _check_device(hidden)
-    return bridge_ops.cut_bce_rows(OPS, hidden, item_weight, bias, class_weight, pos_weight, targets, options)
+    return bridge_ops.cut_bce_rows(OPS, hidden, item_weight, targets, bias, class_weight, pos_weight, options)
 
 
-def cut_bce_weighted_sum(hidden, item_weight, bias, class_weight, pos_weight, targets, row_weight,
+def cut_bce_weighted_sum(hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight,
                          options: CutBCEOptions):
     """`(sum_n row_weight[n] rows[n], counts [4 or 0, N])` in one pass, gradients computed in the
     forward (`row_weight` `[N]`: the position weight over the reduction's divisor)."""
     _check_device(hidden)
-    return bridge_ops.cut_bce_weighted_sum(OPS, hidden, item_weight, bias, class_weight, pos_weight, targets,
+    return bridge_ops.cut_bce_weighted_sum(OPS, hidden, item_weight, targets, bias, class_weight, pos_weight,
                                            row_weight, options)

@@ -83,7 +83,7 @@ def _check_slice(item_weight, vocab_parallel: VocabParallelOptions) -> None:
                          f"[{vocab_parallel.start}, {vocab_parallel.stop})")
 
 
-def vocab_parallel_rows(hidden, item_weight, bias, class_weight, pos_weight, targets, options, *,
+def vocab_parallel_rows(hidden, item_weight, targets, bias, class_weight, pos_weight, options, *,
                         vocab_parallel: VocabParallelOptions):
     """Rows `[N]` and counts `[4 or 0, N]` over the whole catalog, this rank holding `vocab_parallel`'s slice.
 
@@ -95,7 +95,7 @@ def vocab_parallel_rows(hidden, item_weight, bias, class_weight, pos_weight, tar
     hidden = CopyToRanks.apply(hidden, vocab_parallel.group)
     # Global ids: the op keeps those in [start, stop) as local ids, the others are another rank's;
     # ids >= the global V raise (CPU) or assert (CUDA) inside the op, as on one device.
-    rows, counts = ops.rows(hidden, item_weight, bias, class_weight, pos_weight, targets, options)
+    rows, counts = ops.rows(hidden, item_weight, targets, bias, class_weight, pos_weight, options)
     return sum_rows_over_ranks(rows, counts, vocab_parallel.group)
 
 
@@ -106,7 +106,7 @@ def sum_rows_over_ranks(rows, counts, group):
     return stacked[0], stacked[1:].detach().float()
 
 
-def vocab_parallel_loss(hidden, item_weight, bias, weight, class_weight, pos_weight, targets, divisor, options, *,
+def vocab_parallel_loss(hidden, item_weight, targets, bias, class_weight, pos_weight, weight, divisor, options, *,
                         vocab_parallel: VocabParallelOptions):
     """'sum' / 'mean' in one pass: `(loss [], counts [4 or 0])`, weighted and summed over positions.
 
@@ -119,6 +119,6 @@ def vocab_parallel_loss(hidden, item_weight, bias, weight, class_weight, pos_wei
     hidden = CopyToRanks.apply(hidden, vocab_parallel.group)
     if weight is not None and weight.requires_grad:
         weight = CopyToRanks.apply(weight, vocab_parallel.group)
-    loss, counts = ops.loss(hidden, item_weight, bias, weight, class_weight, pos_weight, targets, divisor, options)
+    loss, counts = ops.loss(hidden, item_weight, targets, bias, class_weight, pos_weight, weight, divisor, options)
     stacked = SumOverRanks.apply(torch.cat([loss[None], counts.to(loss.dtype)]), vocab_parallel.group)
     return stacked[0], stacked[1:].detach().float()

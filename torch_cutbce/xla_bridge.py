@@ -129,7 +129,7 @@ def resolve_impl(options: CutBCEOptions, dtype: torch.dtype) -> str:
     return bridge_ops.resolve_impl(options, str(dtype).removeprefix("torch."), _on_tpu())
 
 
-def cut_bce_weighted_sum(hidden, item_weight, bias, class_weight, pos_weight, targets, row_weight,
+def cut_bce_weighted_sum(hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight,
                          options: CutBCEOptions):
     """`(sum_n row_weight[n] rows[n], counts [4 or 0, N])`, gradients computed in the forward: the
     'sum' / 'mean' loss in one pass over the tiles, on one device or under an SPMD mesh (`options`
@@ -138,16 +138,16 @@ def cut_bce_weighted_sum(hidden, item_weight, bias, class_weight, pos_weight, ta
     `row_weight` `[N]` is the position weight over the reduction's divisor; it gets the rows as
     its gradient.
     """
-    return bridge_ops.cut_bce_weighted_sum(OPS, hidden, item_weight, bias, class_weight, pos_weight, targets,
+    return bridge_ops.cut_bce_weighted_sum(OPS, hidden, item_weight, targets, bias, class_weight, pos_weight,
                                            row_weight, options)
 
 
-def cut_bce_rows(hidden, item_weight, bias, class_weight, pos_weight, targets, options: CutBCEOptions):
-    """Rows `[N]` and counts `[4 or 0, N]` for `cut_bce_with_logits` (same argument order as the native op).
+def cut_bce_rows(hidden, item_weight, targets, bias, class_weight, pos_weight, options: CutBCEOptions):
+    """Rows `[N]` and counts `[4 or 0, N]` for `cut_bce_with_logits` (the one argument order).
 
     `options.mesh_shape` / `mesh_axes` (`torch_cutbce.arguments.mesh_layout` of a
     `torch_xla.distributed.spmd.Mesh` whose device ids are 0..n-1 in order: the JAX side lowers
     over an AbstractMesh of the same shape and axis names, i.e. row-major logical ids) run the call
     sharded under torch_xla SPMD; `()` runs it on one device.
     """
-    return bridge_ops.cut_bce_rows(OPS, hidden, item_weight, bias, class_weight, pos_weight, targets, options)
+    return bridge_ops.cut_bce_rows(OPS, hidden, item_weight, targets, bias, class_weight, pos_weight, options)

@@ -105,11 +105,20 @@ class Loss:
 
     @classmethod
     def from_arguments(cls, arguments: dict) -> Loss:
-        """`Loss(**arguments)` with a nested focal given as its fields (JSON's form of it)."""
+        """`Loss(**arguments)` from every field, a nested focal given as all of its fields (JSON's
+        form of it); a missing or unknown field is a ValueError."""
         arguments = dict(arguments)
+        _check_fields(cls, arguments)
         if isinstance(arguments.get("focal"), dict):
+            _check_fields(Focal, arguments["focal"])
             arguments["focal"] = Focal(**arguments["focal"])
         return cls(**arguments)
+
+
+def _check_fields(kind, arguments: dict) -> None:
+    names = sorted(field.name for field in dataclasses.fields(kind))
+    if sorted(arguments) != names:
+        raise ValueError(f"a {kind.__name__} needs exactly the fields {names}, got {sorted(arguments)}")
 
 
 def check_label_smoothing(value) -> float:
