@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from jax_kernels.neutral.shapes import AxisName, ArraySpec, check_arguments, check_largest_id, check_mesh_axes
+from torch_cutbce.route import VocabParallelOptions
 
 BACKENDS = ("auto", "native", "dense", "xla", "xla_blocked", "xla_pallas", "torch_tpu")
 
@@ -43,8 +44,6 @@ def check_parallel_options(backend: str, mesh, vocab_parallel, vocab_axis: AxisN
     'auto' passes (the tensors decide). The module checks this when built, the function on the
     resolved backend: one rule, one message."""
     if vocab_parallel is not None:
-        from torch_cutbce.vocab_parallel import VocabParallelOptions  # here: it imports the ops, they this module
-
         if not isinstance(vocab_parallel, VocabParallelOptions):
             raise TypeError(
                 f"vocab_parallel must be a VocabParallelOptions or None, got {type(vocab_parallel).__name__}")

@@ -336,38 +336,38 @@ def _slice_ids(targets, layout: Layout):
     return torch.where(inside, targets - layout.start, torch.full_like(targets, -1))
 
 
-def _slice_rows(engine, flat, options, layout: Layout):
+def _slice_rows(engine, flat, route, layout: Layout):
     """`engine.rows` on this rank's slice of the table; a rank without rows (uneven shards) gives zero
     rows that still depend on hidden, so every rank's backward runs the same collectives."""
     hidden, item_weight, targets, bias, class_weight, pos_weight = flat
     if layout.stop > layout.start:
         return engine.rows((hidden, item_weight, _slice_ids(targets, layout), bias, class_weight, pos_weight),
-                           options, None)
+                           route)
     n = hidden.shape[0]
     rows = hidden[:, :0].sum(-1).to(accumulation_dtype(hidden.dtype))
-    return rows, rows.new_zeros((4 if options.compute_metrics else 0, n), dtype=torch.float32)
+    return rows, rows.new_zeros((4 if route.options.compute_metrics else 0, n), dtype=torch.float32)
 
 
-def layout_rows(layout: Layout, engine, flat, options):
+def layout_rows(layout: Layout, engine, flat, route):
     """`(rows [n], counts [4 or 0, n])` of this rank's positions over the whole catalog.
 
     `flat = (hidden [n, D], item_weight [V_local, D], targets [n, L], bias, class_weight, pos_weight)`
-    as `localize` made them; `options` without an offset (ids are sliced here, for any engine).
+    as `localize` made them; `route` without an offset (ids are sliced here, for any engine).
     """
     hidden, item_weight, targets, bias, class_weight, pos_weight = flat
     if layout.table != "sharded":  # the whole table: the engine checks the ids itself
-        return engine.rows(flat, options, None)
+        return engine.rows(flat, route)
     check_ids_below_vocab(targets, layout.num_items)  # before slicing: each rank its own ids, the global V
     group = layout.shard_group
     if layout.positions == "replicated":  # the vocab-parallel conjugates: same positions everywhere
-        rows, counts = _slice_rows(engine, (CopyToRanks.apply(hidden, group), *flat[1:]), options, layout)
+        rows, counts = _slice_rows(engine, (CopyToRanks.apply(hidden, group), *flat[1:]), route, layout)
         return sum_rows_over_ranks(rows, counts, group)
     n, slots = targets.shape
     n_max, slots_max = _largest_over_ranks((n, slots), hidden.device, group)
     hidden_all = _GatherPositions.apply(F.pad(hidden, (0, 0, 0, n_max - n)), group)
     targets_all = _gather_no_grad(F.pad(targets, (0, slots_max - slots, 0, n_max - n), value=-1), group)
     rows, counts = _slice_rows(engine, (hidden_all, item_weight, targets_all, bias, class_weight, pos_weight),
-                               options, layout)
+                               route, layout)
     # One reduce_scatter: counts are integers below 2**24, exact in float32 and float64.
     own_rows, own_counts = _ScatterRows.apply(rows, counts.T, group)
     return own_rows[:n], own_counts[:n].T

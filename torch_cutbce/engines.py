@@ -15,9 +15,9 @@ applies the position weight to the rows and reduces them (`reduction.reduce_rows
                     engines through `torch.tpu.pallas.jax_op`, `tpu` tensors (or `meta`, shapes only)
 
 Every engine takes `flat = (hidden [N, D], item_weight [V, D], targets [N, L], bias, class_weight,
-pos_weight)` (the one argument order, the entry's), the options, and the `VocabParallelOptions` (None except for vocab_parallel):
-`rows(flat, options, vocab_parallel) -> (rows [N], counts [4 or 0, N])` and
-`weighted_sum(flat, weight [N] or None, divisor, options, vocab_parallel) -> (sum_n weight[n]
+pos_weight)` (the one argument order, the entry's) and the call's `route.Route` (its options, and
+this rank's `VocabParallelOptions` for vocab_parallel): `rows(flat, route) -> (rows [N], counts
+[4 or 0, N])` and `weighted_sum(flat, weight [N] or None, divisor, route) -> (sum_n weight[n]
 rows[n] / divisor, counts [4 or 0] weighted and summed)`.
 """
 
@@ -58,24 +58,24 @@ class Engine:
     drops_padded_positions: bool = False
 
 
-def _native_rows(flat, options, vocab_parallel):
-    return ops.rows(*flat, options)
+def _native_rows(flat, route):
+    return ops.rows(*flat, route.options)
 
 
-def _native_weighted_sum(flat, weight, divisor, options, vocab_parallel):
-    return ops.loss(*flat, weight, divisor, options)
+def _native_weighted_sum(flat, weight, divisor, route):
+    return ops.loss(*flat, weight, divisor, route.options)
 
 
-def _vocab_parallel_rows(flat, options, vocab_parallel):
+def _vocab_parallel_rows(flat, route):
     from torch_cutbce.vocab_parallel import vocab_parallel_rows
 
-    return vocab_parallel_rows(*flat, options, vocab_parallel=vocab_parallel)
+    return vocab_parallel_rows(*flat, route.options, vocab_parallel=route.vocab_parallel)
 
 
-def _vocab_parallel_weighted_sum(flat, weight, divisor, options, vocab_parallel):
+def _vocab_parallel_weighted_sum(flat, weight, divisor, route):
     from torch_cutbce.vocab_parallel import vocab_parallel_loss
 
-    return vocab_parallel_loss(*flat, weight, divisor, options, vocab_parallel=vocab_parallel)
+    return vocab_parallel_loss(*flat, weight, divisor, route.options, vocab_parallel=route.vocab_parallel)
 
 
 def _dense(flat, weight, options, reduction):
@@ -86,13 +86,15 @@ def _dense(flat, weight, options, reduction):
                                  **options.loss.arguments())
 
 
-def _dense_rows(flat, options, vocab_parallel):
+def _dense_rows(flat, route):
+    options = route.options
     rows, metrics = _dense(flat, None, options, "none")
     counts = torch.stack(tuple(metrics)) if options.compute_metrics else rows.new_zeros((0, rows.shape[0]))
     return rows, counts.float()
 
 
-def _dense_weighted_sum(flat, weight, divisor, options, vocab_parallel):
+def _dense_weighted_sum(flat, weight, divisor, route):
+    options = route.options
     loss, metrics = _dense(flat, weight, options, "sum")
     counts = torch.stack(tuple(metrics)) if options.compute_metrics else loss.new_zeros((0,))
     return loss / divisor, counts.float()
@@ -111,14 +113,14 @@ def _bridge(module: str):
 def _bridge_engine(name: str, module: str, impl: str, on_xla: bool | None, takes_mesh: bool) -> Engine:
     """An engine of the JAX bridge `torch_cutbce.<module>` (xla_bridge or tpu_bridge)."""
 
-    def rows(flat, options, vocab_parallel):
-        return _bridge(module).cut_bce_rows(*flat, options)
+    def rows(flat, route):
+        return _bridge(module).cut_bce_rows(*flat, route.options)
 
-    def weighted_sum(flat, weight, divisor, options, vocab_parallel):
+    def weighted_sum(flat, weight, divisor, route):
         hidden = flat[0]
         n, acc = hidden.shape[0], accumulation_dtype(hidden.dtype)
         w = torch.ones(n, dtype=acc, device=hidden.device) if weight is None else weight.to(acc)
-        loss, counts = _bridge(module).cut_bce_weighted_sum(*flat, w / divisor, options)
+        loss, counts = _bridge(module).cut_bce_weighted_sum(*flat, w / divisor, route.options)
         return loss, weighted_count_sums(counts, weight)
 
     return Engine(name, rows, weighted_sum, on_xla=on_xla, impl=impl, takes_mesh=takes_mesh)

@@ -13,7 +13,7 @@ from torch_cutbce import arguments, distributed, engines
 from torch_cutbce.arguments import BACKENDS  # noqa: F401  (re-exported by torch_cutbce)
 from torch_cutbce.metrics import CutBCEMetrics
 from torch_cutbce.reduction import reduce_rows
-from torch_cutbce.vocab_parallel import VocabParallelOptions
+from torch_cutbce.route import Route, VocabParallelOptions
 
 
 def _padded_positions_dropped(hidden, targets, weight, num_items):
@@ -146,17 +146,17 @@ def cut_bce_with_logits(
         **(arguments.mesh_layout(mesh, vocab_axis, data_axis) if engine.takes_mesh else {}),
         **({} if vocab_parallel is None else dict(offset=vocab_parallel.start, id_limit=vocab_parallel.num_items)),
     )
-    flat = (hidden, item_weight, targets, bias, class_weight, pos_weight)
+    flat, route = (hidden, item_weight, targets, bias, class_weight, pos_weight), Route(options, vocab_parallel)
     if layout is not None:  # each rank its positions' rows over the whole catalog, reduced here
-        rows, counts = distributed.layout_rows(layout, engine, flat, options)
+        rows, counts = distributed.layout_rows(layout, engine, flat, route)
         return reduce_rows(rows, counts, weight, reduction, lead_shape, num_items, return_metrics)
     if reduction != "none" and n > 0:  # one pass: the gradients computed in the forward
         divisor = reduction_divisor(reduction, n, num_items)
-        loss, counts = engine.weighted_sum(flat, w, divisor, options, vocab_parallel)
+        loss, counts = engine.weighted_sum(flat, w, divisor, route)
         return (loss, CutBCEMetrics(*counts)) if return_metrics else loss
     # Also N = 0 with 'sum'/'mean': reduce_rows gives 0 / 0 = nan for 'mean' (as torch) and the
     # rows' backward zero gradients.
-    rows, counts = engine.rows(flat, options, vocab_parallel)
+    rows, counts = engine.rows(flat, route)
     if kept is not None:  # dropped positions: rows and counts 0
         rows = rows.new_zeros(n).index_copy(0, kept, rows)
         counts = counts.new_zeros((counts.shape[0], n)).index_copy(1, kept, counts)

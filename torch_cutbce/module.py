@@ -10,7 +10,7 @@ from jax_kernels.neutral.loss import Loss
 from jax_kernels.neutral.shapes import AxisName, check_block_v, check_reduction
 from torch_cutbce.arguments import check_backend, check_parallel_options
 from torch_cutbce.functional import cut_bce_with_logits
-from torch_cutbce.vocab_parallel import VocabParallelOptions
+from torch_cutbce.route import VocabParallelOptions
 
 
 class CutBCEWithLogitsLoss(nn.Module):

@@ -11,41 +11,11 @@ Usage and caveats: docs/distributed.md.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.distributed as dist
 
 from torch_cutbce import ops
-
-
-@dataclasses.dataclass(frozen=True)
-class VocabParallelOptions:
-    """This rank's share of the item table.
-
-    Attributes:
-      start, stop: the global item ids `[start, stop)` whose rows this rank holds.
-      num_items: the global V (for 'mean', which divides by N x V, and the id check).
-      group: the process group the table is split over (None: the default group).
-    """
-
-    start: int
-    stop: int
-    num_items: int
-    group: object = None
-
-    def __post_init__(self):
-        if not 0 <= self.start < self.stop <= self.num_items:
-            raise ValueError(f"need 0 <= start < stop <= num_items, got {self.start=}, {self.stop=}, {self.num_items=}")
-
-    @classmethod
-    def even(cls, num_items: int, group=None) -> "VocabParallelOptions":
-        """Contiguous slices of ceil(V / world) rows, the last one shorter (rank r gets slice r)."""
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        chunk = -(-num_items // world)
-        if chunk * (world - 1) >= num_items:
-            raise ValueError(f"V={num_items} items cannot give each of {world} ranks a non-empty slice of {chunk}")
-        return cls(rank * chunk, min((rank + 1) * chunk, num_items), num_items, group)
+from torch_cutbce.route import VocabParallelOptions  # noqa: F401  (its home once: re-exported here)
 
 
 class CopyToRanks(torch.autograd.Function):
