@@ -77,17 +77,18 @@ def measure(n: int, v: int, d: int, slots: int, dtype_name: str, chips=tuple(TOP
     from jax_kernels.neutral.focal import Focal
     from jax_kernels.neutral.loss import Loss
     from jax_kernels.neutral.options import CutBCEOptions
-    from torch_cutbce import bridge_ops, tpu_bridge
+    import jax_kernels.bridge as jax_bridge
+    from torch_cutbce import tpu_bridge
 
     dtype = jnp.dtype(dtype_name)
     options = CutBCEOptions(compute_metrics=True, loss=Loss(Focal(2.0, 0.25, True))).encode()
-    jax_functions = {"rows": bridge_ops.jax_forward, "rows_backward": bridge_ops.jax_backward,
-                     "weighted_sum": bridge_ops.jax_weighted_sum}
+    jax_functions = {"rows": jax_bridge.jax_forward, "rows_backward": jax_bridge.jax_backward,
+                     "weighted_sum": jax_bridge.jax_weighted_sum}
     out = []
     for op in OPS:
         args = _structs(op, n, v, d, slots, dtype)
         exported = getattr(tpu_bridge, op)._init_fn.exported(*args, options)  # jax_op's JaxCallable
-        static = bridge_ops.jax_static(options, n, v, dtype_name, on_tpu=True)
+        static = jax_bridge.jax_static(options, n, v, dtype_name, on_tpu=True)
         programs = {"torch_tpu": exported.call, "torch_xla": functools.partial(jax_functions[op], **static)}
         for chip in chips:
             for bridge, fn in programs.items():

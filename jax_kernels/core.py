@@ -61,6 +61,17 @@ class CutBCEConfig:
         if not isinstance(self.loss, Loss):
             raise TypeError(f"loss must be a Loss, got {self.loss!r}")
 
+    # A place to run (one device); `sharded.ShardedLayout` is the other (a mesh). The custom_vjps
+    # below take either and call these three.
+    def forward(self, *operands):
+        return cut_bce_forward(*operands, config=self)
+
+    def backward(self, *operands_and_g):
+        return cut_bce_backward(*operands_and_g, config=self)
+
+    def value_and_grad(self, *operands_and_g):
+        return cut_bce_value_and_grad(*operands_and_g, config=self)
+
 
 def call_config(*, block_v, num_positions, num_items, impl, compute_metrics, block_sizes=None, loss=PLAIN,
                 cpu_kernel=True) -> CutBCEConfig:
@@ -143,26 +154,25 @@ def cut_bce_value_and_grad(hidden, item_weight, targets, bias, class_weight, pos
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def cut_bce_rows(config, hidden, item_weight, targets, bias, class_weight, pos_weight):
-    """Differentiable `cut_bce_forward`: gradients reach hidden, item_weight and bias.
+def cut_bce_rows(place, hidden, item_weight, targets, bias, class_weight, pos_weight):
+    """Differentiable rows: gradients reach hidden, item_weight and bias.
 
-    class_weight and pos_weight are constants here (their cotangents are zero); targets get none.
+    `place`: a `CutBCEConfig` (one device) or a `sharded.ShardedLayout` (a mesh), hashable; its
+    `forward` / `backward` run there (the one custom_vjp pair of both). class_weight and pos_weight
+    are constants here (their cotangents are zero); targets get none.
     """
-    return cut_bce_forward(hidden, item_weight, targets, bias, class_weight, pos_weight, config=config)
+    return place.forward(hidden, item_weight, targets, bias, class_weight, pos_weight)
 
 
-def _rows_fwd(config, hidden, item_weight, targets, bias, class_weight, pos_weight):
-    out = cut_bce_forward(hidden, item_weight, targets, bias, class_weight, pos_weight, config=config)
+def _rows_fwd(place, hidden, item_weight, targets, bias, class_weight, pos_weight):
+    out = place.forward(hidden, item_weight, targets, bias, class_weight, pos_weight)
     # Only the inputs are saved: no [N, V] residual, not even an [N, block_v] one.
     return out, (hidden, item_weight, targets, bias, class_weight, pos_weight)
 
 
-def _rows_bwd(config, residuals, cotangents):
-    hidden, item_weight, targets, bias, class_weight, pos_weight = residuals
+def _rows_bwd(place, residuals, cotangents):
     g_rows, _ = cotangents  # the metric counts are not differentiable
-    d_hidden, d_item_weight, d_bias = cut_bce_backward(
-        hidden, item_weight, targets, bias, class_weight, pos_weight, g_rows, config=config
-    )
+    d_hidden, d_item_weight, d_bias = place.backward(*residuals, g_rows)
     # None is JAX's "zero cotangent": targets are integers, the two class weights are constants.
     return d_hidden, d_item_weight, None, d_bias, None, None
 
@@ -171,27 +181,25 @@ cut_bce_rows.defvjp(_rows_fwd, _rows_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def cut_bce_weighted_sum(config, hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight):
+def cut_bce_weighted_sum(place, hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight):
     """`sum_n row_weight[n] rows[n]` and the `[4, N]` counts, with the gradients computed in the forward.
 
     The scalar reductions ('mean': row_weight = weight / (N V); 'sum': = weight) know every row's
     gradient before the forward runs, so the differentiated forward is `cut_bce_value_and_grad`
     (one pass fewer over the tiles) and the backward only scales the saved gradients by the scalar
     cotangent. Without differentiation this is the plain forward. `row_weight` gets the rows as
-    its gradient; class_weight and pos_weight are constants, as in `cut_bce_rows`.
+    its gradient; class_weight and pos_weight are constants, as in `cut_bce_rows` (`place` too).
     """
-    rows, counts = cut_bce_forward(hidden, item_weight, targets, bias, class_weight, pos_weight, config=config)
+    rows, counts = place.forward(hidden, item_weight, targets, bias, class_weight, pos_weight)
     return (rows * row_weight.astype(rows.dtype)).sum(), counts
 
 
-def _weighted_sum_fwd(config, hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight):
-    value_and_grad = cut_bce_value_and_grad(
-        hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight, config=config
-    )
+def _weighted_sum_fwd(place, hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight):
+    value_and_grad = place.value_and_grad(hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight)
     return weighted_sum_and_residuals(value_and_grad, (hidden, item_weight, bias), row_weight)
 
 
-def _weighted_sum_bwd(config, residuals, cotangents):
+def _weighted_sum_bwd(place, residuals, cotangents):
     d_hidden, d_item_weight, d_bias, d_row_weight = weighted_sum_cotangents(residuals, cotangents)
     return d_hidden, d_item_weight, None, d_bias, None, None, d_row_weight
 

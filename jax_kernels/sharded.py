@@ -6,8 +6,9 @@ of the table, ids shifted into the slice, so each positive is taken out on exact
 vocab axis, the table's gradients over the data axis: a few collectives per call, none in the tile
 loop, and the table is never gathered. Uneven sizes are padded and made inert. The shard_map runs
 over Auto axes; a mesh with Explicit axes (jax >= 0.8.1's default) runs it inside `auto_axes`
-(`run_on_auto_axes`). `sharded_forward` / `sharded_backward` / `sharded_value_and_grad` mirror
-`core`'s functions for torch_xla's `call_jax` over an `AbstractMesh`. Usage: docs/distributed.md.
+(`run_on_auto_axes`). A `ShardedLayout` is a place for `core`'s one custom_vjp pair (its
+`forward` / `backward` / `value_and_grad`: `sharded_forward` / ..., which mirror `core`'s
+functions, also for torch_xla's `call_jax` over an `AbstractMesh`). Usage: docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from jax_kernels.core import (
     call_config,
     cut_bce_backward,
     cut_bce_forward,
+    cut_bce_rows,
     cut_bce_value_and_grad,
-    weighted_sum_and_residuals,
-    weighted_sum_cotangents,
+    cut_bce_weighted_sum,
 )
 from jax_kernels.reduction import finish
 from jax_kernels.neutral.shapes import AxisName, check_mesh_axes, mesh_axis_names
@@ -58,6 +59,17 @@ class ShardedLayout:
 
     def __post_init__(self):
         check_mesh_axes(self.mesh.axis_names, self.vocab_axis, self.data_axis)
+
+    # A place to run for `core`'s custom_vjp pair (as `CutBCEConfig` is for one device): the
+    # layout wraps the one pair, it does not rewrite it.
+    def forward(self, *operands):
+        return sharded_forward(*operands, layout=self)
+
+    def backward(self, *operands_and_g):
+        return sharded_backward(*operands_and_g, layout=self)
+
+    def value_and_grad(self, *operands_and_g):
+        return sharded_value_and_grad(*operands_and_g, layout=self)
 
     @property
     def vocab_shards(self) -> int:
@@ -333,49 +345,6 @@ def sharded_value_and_grad(hidden, item_weight, targets, bias, class_weight, pos
     return rows_and_counts, (grads[0][:n], grads[1][:table_rows], grads[2][:table_rows] if has_bias else None)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def sharded_rows(layout, hidden, item_weight, targets, bias, class_weight, pos_weight):
-    """Differentiable `sharded_forward` (the mesh twin of `core.cut_bce_rows`)."""
-    return sharded_forward(hidden, item_weight, targets, bias, class_weight, pos_weight, layout=layout)
-
-
-def _rows_fwd(layout, hidden, item_weight, targets, bias, class_weight, pos_weight):
-    args = (hidden, item_weight, targets, bias, class_weight, pos_weight)
-    return sharded_forward(*args, layout=layout), args
-
-
-def _rows_bwd(layout, residuals, cotangents):
-    g_rows, _ = cotangents  # counts are not differentiable
-    d_hidden, d_items, d_bias = sharded_backward(*residuals, g_rows, layout=layout)
-    return d_hidden, d_items, None, d_bias, None, None
-
-
-sharded_rows.defvjp(_rows_fwd, _rows_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def sharded_weighted_sum(layout, hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight):
-    """`sum_n row_weight[n] rows[n]` and the counts on a mesh (the twin of `core.cut_bce_weighted_sum`):
-    differentiated, the forward rule is `sharded_value_and_grad`; otherwise the plain forward."""
-    rows, counts = sharded_forward(hidden, item_weight, targets, bias, class_weight, pos_weight, layout=layout)
-    return (rows * row_weight.astype(rows.dtype)).sum(), counts
-
-
-def _weighted_sum_fwd(layout, hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight):
-    value_and_grad = sharded_value_and_grad(
-        hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight, layout=layout
-    )
-    return weighted_sum_and_residuals(value_and_grad, (hidden, item_weight, bias), row_weight)
-
-
-def _weighted_sum_bwd(layout, residuals, cotangents):
-    d_hidden, d_items, d_bias, d_row_weight = weighted_sum_cotangents(residuals, cotangents)
-    return d_hidden, d_items, None, d_bias, None, None, d_row_weight
-
-
-sharded_weighted_sum.defvjp(_weighted_sum_fwd, _weighted_sum_bwd)
-
-
 def sharded_loss(size, a, *, mesh, vocab_axis: AxisName, data_axis: AxisName, reduction: str,
                  return_metrics: bool, impl: str, block_sizes, loss, num_items: int | None):
     """The loss of `jax_kernels.cut_bce(..., mesh=)` on arguments its `prepare` has checked.
@@ -409,7 +378,7 @@ def sharded_loss(size, a, *, mesh, vocab_axis: AxisName, data_axis: AxisName, re
 
     def loss(hidden, item_weight, targets, bias, class_weight, pos_weight, weight):
         operands = engine_operands(size, hidden, item_weight, targets, bias, class_weight, pos_weight)
-        return finish(functools.partial(sharded_rows, layout), functools.partial(sharded_weighted_sum, layout),
+        return finish(functools.partial(cut_bce_rows, layout), functools.partial(cut_bce_weighted_sum, layout),
                       operands, weight, reduction, size.lead_shape, catalog, return_metrics)
 
     return run_on_auto_axes(user_mesh, loss, hidden, item_weight, targets, bias, class_weight, pos_weight, weight,

@@ -1,19 +1,11 @@
-"""The op table both JAX bridges share: what each custom op computes, its fake, its autograd rule,
-and the argument preparation around it. Only the registrar differs (how a torch tensor reaches
-JAX): torch_xla's `call_jax` (xla_bridge.py) or TorchTPU's `torch.tpu.pallas.jax_op` (tpu_bridge.py).
-
-    rows            jax_forward       (rows [N], counts [4 or 0, N])     cut_bce_forward
-    rows_backward   jax_backward      (d_hidden, d_items, d_bias)        cut_bce_backward
-    weighted_sum    jax_weighted_sum  (loss, counts, rows, grads...)     cut_bce_value_and_grad
-
-Each op takes its tensors plus one `options: str` (`CutBCEOptions.encode()`); `jax_static`
-decodes it into the JAX `CutBCEConfig` (`core.call_config`) and, with a mesh, the sharded layout.
-Output structures never vary with the options (a missing d_bias is an empty placeholder):
-torch_xla 2.9's `call_jax` keeps one output tree per function, and a `jax_op`'s schema is its
-return annotation. The JAX functions are module-level: `call_jax` caches lowerings by `id(fn)`.
+"""The torch half both JAX bridges share: each custom op's fake, its autograd rule, and the
+argument preparation around it. What each op computes is the JAX half, `jax_kernels/bridge.py`
+(`jax_forward`, `jax_backward`, `jax_weighted_sum`, `jax_static`). Only the registrar differs (how
+a torch tensor reaches JAX): torch_xla's `call_jax` (xla_bridge.py) or TorchTPU's
+`torch.tpu.pallas.jax_op` (tpu_bridge.py).
 
 Imported only by a registrar, after it has imported its framework (torch_xla must claim the device
-before jax is imported): this module imports jax.
+before jax is imported): the JAX half imports jax.
 """
 
 from __future__ import annotations
@@ -21,90 +13,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-import jax
-import jax.numpy as jnp
 import torch
 
-import jax_kernels.core as jax_core
-import jax_kernels.sharded as jax_sharded
+from jax_kernels.bridge import enable_x64, jax_static, resolve_impl, x64_enabled  # noqa: F401  (the registrars')
 from jax_kernels.neutral.options import CutBCEOptions, decode
-from jax_kernels.neutral.shapes import choose_impl
 from torch_cutbce.positives import accumulation_dtype
-
-_trace_count = 0
-
-
-def trace_count() -> int:
-    """How many times the table's JAX functions were traced (i.e. lowered by a registrar) so far."""
-    return _trace_count
-
-
-def _traced():
-    global _trace_count
-    _trace_count += 1  # runs at trace time only: counts lowerings, not calls
-
-
-def _placeholder(d_bias, d_items):
-    return jnp.zeros((0,), d_items.dtype) if d_bias is None else d_bias
-
-
-def jax_forward(hidden, item_weight, targets, bias, class_weight, pos_weight, *, config, layout):
-    """Rows `[N]` and counts `[4 or 0, N]` (`cut_bce_forward`, or its shard_map twin under a mesh)."""
-    _traced()
-    if layout is None:
-        return jax_core.cut_bce_forward(hidden, item_weight, targets, bias, class_weight, pos_weight, config=config)
-    return jax_sharded.sharded_forward(hidden, item_weight, targets, bias, class_weight, pos_weight, layout=layout)
-
-
-def jax_backward(hidden, item_weight, targets, bias, class_weight, pos_weight, g, *, config, layout):
-    """`(d_hidden, d_item_weight, d_bias or an empty placeholder)` for the rows' upstream `g` `[N]`."""
-    _traced()
-    args = (hidden, item_weight, targets, bias, class_weight, pos_weight, g)
-    if layout is None:
-        d_hidden, d_items, d_bias = jax_core.cut_bce_backward(*args, config=config)
-    else:
-        d_hidden, d_items, d_bias = jax_sharded.sharded_backward(*args, layout=layout)
-    return d_hidden, d_items, _placeholder(d_bias, d_items)
-
-
-def jax_weighted_sum(hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight, *, config, layout):
-    """`sum_n row_weight[n] rows[n]`, the `[4 or 0, N]` counts, the rows, and the gradients for an
-    upstream 1 (accumulation dtype; Pallas's table gradient in the table's dtype), in one pass over
-    the tiles (`cut_bce_value_and_grad`; under a mesh `sharded_value_and_grad`)."""
-    _traced()
-    args = (hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight)
-    if layout is None:
-        (rows, counts), (d_hidden, d_items, d_bias) = jax_core.cut_bce_value_and_grad(*args, config=config)
-    else:
-        (rows, counts), (d_hidden, d_items, d_bias) = jax_sharded.sharded_value_and_grad(*args, layout=layout)
-    loss = (rows * row_weight.astype(rows.dtype)).sum()
-    # The placeholder in the accumulation dtype (d_hidden's), not the table gradient's: Pallas gives
-    # that one in the table's dtype, and the fake says float32.
-    return loss, counts, rows, d_hidden, d_items, _placeholder(d_bias, d_hidden)
-
-
-def resolve_impl(options: CutBCEOptions, dtype_name: str, on_tpu: bool) -> str:
-    """The JAX engine `options.impl` names for inputs of `dtype_name` ('float32', ...): 'auto' is
-    Pallas on a TPU for float32 / bfloat16 (`shapes.choose_impl`). Raises TypeError for
-    impl='pallas' with another dtype."""
-    return choose_impl(options.impl, dtype_name, on_tpu)
-
-
-def jax_static(options: str, num_positions: int, num_items: int, dtype_name: str, on_tpu: bool) -> dict:
-    """The JAX functions' keyword arguments for an op's `options` string: the config and the sharded
-    layout (None without a mesh); both hashable (`call_jax`'s cache key)."""
-    o = decode(options)
-    # cpu_kernel=False: neither bridge's runtime registers the blocked loop's C kernel (an XLA FFI
-    # target of jax's own CPU client); the jnp tiles compute the same. call_config sizes a default
-    # tile for the whole problem (N x V), as the torch entry once did.
-    config = jax_core.call_config(block_v=o.block_v, num_positions=num_positions, num_items=num_items,
-                                  impl=resolve_impl(o, dtype_name, on_tpu), compute_metrics=o.compute_metrics,
-                                  loss=o.loss, cpu_kernel=False)
-    if not o.mesh_shape:
-        return {"config": config, "layout": None}
-    layout = jax_sharded.abstract_layout(o.mesh_shape, o.mesh_axes, o.vocab_axis, o.data_axis, config)
-    return {"config": config, "layout": layout}
-
 
 def dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
@@ -139,21 +52,6 @@ def weighted_sum_fake(hidden, item_weight, bias, options, *, on_tpu: bool) -> li
 
 
 # Autograd rules.
-
-def enable_x64(on: bool):
-    """JAX's thread-local 64-bit mode switch (`jax.enable_x64` from jax 0.8, before it
-    `jax.experimental.enable_x64`)."""
-    switch = getattr(jax, "enable_x64", None)
-    if switch is None:
-        import jax.experimental as jax_experimental  # binds no local `jax`
-
-        switch = jax_experimental.enable_x64
-    return switch(on)
-
-
-def x64_enabled() -> bool:
-    return bool(jax.config.jax_enable_x64)
-
 
 def rows_autograd(backward_op: Callable) -> tuple[Callable, Callable]:
     """`(backward, setup_context)` of a rows op whose backward is `backward_op` (the same inputs

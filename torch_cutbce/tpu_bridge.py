@@ -6,9 +6,9 @@ Imported lazily (by `cut_bce_with_logits` with backend='torch_tpu', or 'auto' on
 `jax.Array` (`jax.Array | None` becomes `Tensor?`), `options: str` is a static jit argument, and
 the op runs the function's `jax.export` for TPU (`platforms=['tpu']`) inside TorchTPU's graph:
 
-    cutbce_tpu::rows            -> bridge_ops.jax_forward       (rows, counts)
-    cutbce_tpu::rows_backward   -> bridge_ops.jax_backward      (d_hidden, d_items, d_bias or [0])
-    cutbce_tpu::weighted_sum    -> bridge_ops.jax_weighted_sum  (loss, counts, rows, gradients)
+    cutbce_tpu::rows            -> jax_bridge.jax_forward       (rows, counts)
+    cutbce_tpu::rows_backward   -> jax_bridge.jax_backward      (d_hidden, d_items, d_bias or [0])
+    cutbce_tpu::weighted_sum    -> jax_bridge.jax_weighted_sum  (loss, counts, rows, gradients)
 
 The fakes are the table's shape rules, not `jax_op`'s default (which exports per call and refuses
 symbolic shapes), so `torch.compile` with dynamic N works; the tests check they agree with the
@@ -27,6 +27,7 @@ import torch
 import torch_tpu  # noqa: F401  (provides torch.tpu; autoloaded on a TPU VM, imported here elsewhere)
 import jax
 
+import jax_kernels.bridge as jax_bridge
 from torch_cutbce import bridge_ops
 from jax_kernels.neutral.options import CutBCEOptions
 
@@ -34,27 +35,27 @@ DEVICES = ("tpu", "meta")  # meta: shapes and dtypes only (the fakes), e.g. to t
 
 
 def _static(options: str, hidden, item_weight) -> dict:
-    return bridge_ops.jax_static(options, hidden.shape[0], item_weight.shape[0], hidden.dtype.name, True)
+    return jax_bridge.jax_static(options, hidden.shape[0], item_weight.shape[0], hidden.dtype.name, True)
 
 
 def _rows(hidden: jax.Array, item_weight: jax.Array, targets: jax.Array, bias: jax.Array | None,
           class_weight: jax.Array | None, pos_weight: jax.Array | None,
           options: str) -> tuple[jax.Array, jax.Array]:
-    return bridge_ops.jax_forward(hidden, item_weight, targets, bias, class_weight, pos_weight,
+    return jax_bridge.jax_forward(hidden, item_weight, targets, bias, class_weight, pos_weight,
                                   **_static(options, hidden, item_weight))
 
 
 def _rows_backward(hidden: jax.Array, item_weight: jax.Array, targets: jax.Array, bias: jax.Array | None,
                    class_weight: jax.Array | None, pos_weight: jax.Array | None, g: jax.Array,
                    options: str) -> tuple[jax.Array, jax.Array, jax.Array]:
-    return bridge_ops.jax_backward(hidden, item_weight, targets, bias, class_weight, pos_weight, g,
+    return jax_bridge.jax_backward(hidden, item_weight, targets, bias, class_weight, pos_weight, g,
                                    **_static(options, hidden, item_weight))
 
 
 def _weighted_sum(hidden: jax.Array, item_weight: jax.Array, targets: jax.Array, bias: jax.Array | None,
                   class_weight: jax.Array | None, pos_weight: jax.Array | None, row_weight: jax.Array,
                   options: str) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
-    return bridge_ops.jax_weighted_sum(hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight,
+    return jax_bridge.jax_weighted_sum(hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight,
                                        **_static(options, hidden, item_weight))
 
 

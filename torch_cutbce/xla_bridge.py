@@ -10,11 +10,11 @@ with TorchTPU's registrar, tpu_bridge.py); this module only registers them:
                                           autograd.Function, `register_fake` lets dynamo see it as
                                           one opaque node (`torch.compile(backend='openxla',
                                           fullgraph=True)` works)
-      -> call_jax(bridge_ops.jax_forward) lowers the JAX function to HLO once per shape and splices
+      -> call_jax(jax_bridge.jax_forward) lowers the JAX function to HLO once per shape and splices
                                           it into torch_xla's lazy graph (same graph as the model)
       -> Pallas kernels on TPU, the blocked pure-JAX loop elsewhere (or Pallas in interpret mode)
-    backward: cutbce::xla_rows_backward -> call_jax(bridge_ops.jax_backward)
-    'sum' / 'mean': cutbce::xla_weighted_sum -> call_jax(bridge_ops.jax_weighted_sum): the
+    backward: cutbce::xla_rows_backward -> call_jax(jax_bridge.jax_backward)
+    'sum' / 'mean': cutbce::xla_weighted_sum -> call_jax(jax_bridge.jax_weighted_sum): the
       gradients come out of the forward; its backward only scales them
 
 With a mesh (`options.mesh_shape`) the same ops lower `jax_kernels.sharded`'s shard_map over an
@@ -33,8 +33,9 @@ from torch_xla._internal.jax_workarounds import jax_import_guard
 
 jax_import_guard()
 
-from torch_cutbce import bridge_ops  # noqa: E402  (imports jax)
-from torch_cutbce.bridge_ops import trace_count  # noqa: E402,F401  (the tests count lowerings)
+import jax_kernels.bridge as jax_bridge  # noqa: E402  (imports jax)
+from jax_kernels.bridge import trace_count  # noqa: E402,F401  (the tests count lowerings)
+from torch_cutbce import bridge_ops  # noqa: E402
 
 from jax_kernels.neutral.options import CutBCEOptions  # noqa: E402
 
@@ -44,7 +45,7 @@ def _on_tpu() -> bool:
 
 
 def _static(options: str, hidden: torch.Tensor, item_weight: torch.Tensor) -> dict:
-    return bridge_ops.jax_static(options, hidden.shape[0], item_weight.shape[0], bridge_ops.dtype_name(hidden),
+    return jax_bridge.jax_static(options, hidden.shape[0], item_weight.shape[0], bridge_ops.dtype_name(hidden),
                                  _on_tpu())
 
 
@@ -58,9 +59,9 @@ def xla_rows(
     pos_weight: torch.Tensor | None,
     options: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows `[N]` and counts `[4 or 0, N]` of `bridge_ops.jax_forward`, computed through call_jax."""
+    """Rows `[N]` and counts `[4 or 0, N]` of `jax_bridge.jax_forward`, computed through call_jax."""
     static = _static(options, hidden, item_weight)
-    rows, counts = xb.call_jax(bridge_ops.jax_forward, (hidden, item_weight, targets, bias, class_weight,
+    rows, counts = xb.call_jax(jax_bridge.jax_forward, (hidden, item_weight, targets, bias, class_weight,
                                                         pos_weight), static)
     return rows, counts
 
@@ -79,9 +80,9 @@ def xla_rows_backward(
     g: torch.Tensor,
     options: str,
 ) -> list[torch.Tensor]:
-    """`[d_hidden, d_item_weight]` (+ `d_bias` when bias is given) from `bridge_ops.jax_backward`."""
+    """`[d_hidden, d_item_weight]` (+ `d_bias` when bias is given) from `jax_bridge.jax_backward`."""
     d_hidden, d_item_weight, d_bias = xb.call_jax(
-        bridge_ops.jax_backward, (hidden, item_weight, targets, bias, class_weight, pos_weight, g),
+        jax_bridge.jax_backward, (hidden, item_weight, targets, bias, class_weight, pos_weight, g),
         _static(options, hidden, item_weight),
     )
     return [d_hidden, d_item_weight] + ([] if bias is None else [d_bias])
@@ -108,9 +109,9 @@ def xla_weighted_sum(
     options: str,
 ) -> list[torch.Tensor]:
     """`[loss, counts, rows, d_hidden, d_item_weight, d_bias or an empty placeholder]` of
-    `bridge_ops.jax_weighted_sum`."""
+    `jax_bridge.jax_weighted_sum`."""
     args = (hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight)
-    return list(xb.call_jax(bridge_ops.jax_weighted_sum, args, _static(options, hidden, item_weight)))
+    return list(xb.call_jax(jax_bridge.jax_weighted_sum, args, _static(options, hidden, item_weight)))
 
 
 @xla_weighted_sum.register_fake
