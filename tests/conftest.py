@@ -32,7 +32,8 @@ OPTIONAL = {"jax": ("jax", "jax"), "xla": ("torch_xla", "xla")}
 # while editing; the full run is CI's.
 FAST_MODULES = {
     "test_reference.py", "test_branch_math.py", "test_neutral_options.py", "test_torch_native.py",
-    "test_all_bad_input.py", "test_repo_hygiene.py", "test_repo_layout.py", "test_docs_links.py",
+    "test_all_bad_input.py", "test_all_bad_input_accepted.py", "test_repo_hygiene.py", "test_repo_layout.py",
+    "test_docs_links.py",
 }
 
 

@@ -1,20 +1,19 @@
-"""The parity ladder's shared pieces: one tolerance table (`TOLERANCES`) and its two checks
-(`assert_close`, `assert_exact_as_dense`), the input generators, and `jax_x64` / `enable_x64`.
+"""The parity ladder's shared pieces: one tolerance table (`TOLERANCES`) and the parity rule's
+check (`assert_close`), the input generators, and `jax_x64` / `enable_x64`.
 
 Framework-neutral: inputs are numpy float64 arrays whose values are already representable in the
 dtype under test (`select` rounds them), so the float64 oracle ("ground truth") sees exactly the
-numbers the fast path sees and only the computation's error is measured. `run_torch` / `run_jax`
-are the small adapters that turn those arrays into tensors, run a loss function with a random
-upstream gradient, and hand back numpy results keyed by name (loss, d_<input>, tp, fp, fn, tn).
-torch and jax are imported lazily, inside the adapters. `float64_truth` is the oracle's results:
-torch's dense loss, or JAX's where torch is not installed (the JAX-only environment of
-ci/jax_newest.sh); `needs_torch` skips the comparisons with torch's own paths there.
+numbers the fast path sees and only the computation's error is measured. torch and jax are
+imported lazily. Re-exported at the end, so `from parity import X` is the one import for all of
+them: the framework runners and the float64 oracle (`run_torch`, `run_jax`, `float64_truth`,
+`check_against_oracle`; tests/parity_runners.py) and the exact-as-dense rule
+(`assert_exact_as_dense`; tests/parity_exact.py). `needs_torch` skips the comparisons with
+torch's own paths in the JAX-only environment of ci/jax_newest.sh.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.util
 import math
 from collections.abc import Mapping
@@ -253,246 +252,24 @@ def jax_x64(dtype: str = "float64"):
     return enable_x64(True)
 
 
-def _collect(loss, metrics, grads):
-    results = {"loss": loss, **grads}
-    if metrics is not None:
-        results.update(zip(METRIC_NAMES, metrics))
-    return {k: to_numpy(x) for k, x in results.items()}
+# -- re-exports: the runners and the exact-as-dense rule import the pieces above from here, so these
+# imports come last (import those modules through `parity`, never first on their own).
 
-
-def check_against_oracle(run, fn, same_dtype_reference, inputs, lead_shape, *, dtype, reduction, name, seed=0,
-                         grad_names=GRADS, **kwargs):
-    """The parity rule of `dtype` for the loss, gradients and metrics of `fn` vs the float64 dense oracle.
-
-    `run` is `run_torch` or `run_jax` (the fast path's framework); the upstream gradient is random
-    and non-uniform. For bfloat16 the rule is CCE's: `fn`'s error against the float64 truth may
-    exceed `same_dtype_reference`'s (the dense loss run in bfloat16 by `run`) by the tolerance.
-    Returns `fn`'s results.
-    """
-    upstream = make_upstream(reduction, lead_shape, seed=seed, dtype=dtype)
-    common = dict(upstream=upstream, grad_names=grad_names, reduction=reduction)
-    fast = run(fn, inputs, dtype=dtype, **common, **kwargs)
-    truth = float64_truth(inputs, **common)
-    if dtype == "bfloat16":
-        same_dtype = run(same_dtype_reference, inputs, dtype="bfloat16", **common)
-        assert_close(fast, same_dtype, truth, dtype=dtype, name=name)
-    else:
-        assert_close(fast, truth, dtype=dtype, name=name)
-    return fast
-
-
-def float64_truth(inputs, *, upstream, grad_names=GRADS, reduction, **kwargs):
-    """The float64 oracle's loss, gradients and metrics: torch's `dense_bce_with_logits`, or without
-    torch `jax_kernels.dense_cut_bce` (x64 on), the same loss (test_reference.py checks the two)."""
-    common = dict(dtype="float64", upstream=upstream, grad_names=grad_names, reduction=reduction, **kwargs)
-    if HAVE_TORCH:
-        from torch_cutbce import dense_bce_with_logits
-
-        return run_torch(dense_bce_with_logits, inputs, **common)
-    return run_jax(_jitted_dense_cut_bce(), inputs, **common)
-
-
-@functools.cache
-def _jitted_dense_cut_bce():
-    """`jax_kernels.dense_cut_bce` under one `jit` (eagerly, each of its ops would compile apart)."""
-    import jax
-
-    from jax_kernels import dense_cut_bce
-
-    return jax.jit(dense_cut_bce, static_argnames=("reduction", "return_metrics"))
-
-
-def run_torch(fn, inputs, *, dtype, upstream, grad_names=GRADS,
-              device="cpu", return_metrics=True, **kwargs):
-    """Runs `fn(hidden, item_weight, targets, bias, *, weight, class_weight, pos_weight, **kwargs)`.
-
-    Float inputs become `dtype` tensors on `device`; those in `grad_names` require grad and get
-    `d_<name>` from `torch.autograd.grad(loss, ..., grad_outputs=upstream)`.
-    """
-    torch = _torch()
-    tensors = {}
-    for key, value in inputs.items():
-        if key == "targets":
-            tensors[key] = torch.tensor(value, device=device)
-        else:
-            t = torch.tensor(value, dtype=torch.float64).to(device=device, dtype=torch_dtype(dtype))
-            tensors[key] = t.requires_grad_(key in grad_names)
-    out = fn(tensors["hidden"], tensors["item_weight"], tensors["targets"], tensors.get("bias"),
-             weight=tensors.get("weight"), class_weight=tensors.get("class_weight"),
-             pos_weight=tensors.get("pos_weight"), return_metrics=return_metrics, **kwargs)
-    loss, metrics = out if return_metrics else (out, None)
-    wrt = [k for k in tensors if tensors[k].requires_grad]
-    grads = {}
-    if wrt:
-        g = torch.tensor(upstream, dtype=torch.float64).to(device=device, dtype=loss.dtype)
-        values = torch.autograd.grad(loss, [tensors[k] for k in wrt], grad_outputs=g)
-        grads = {f"d_{k}": value for k, value in zip(wrt, values)}
-    return _collect(loss, metrics, grads)
-
-
-def run_jax(fn, inputs, *, dtype, upstream, grad_names=GRADS,
-            return_metrics=True, **kwargs):
-    """The JAX twin of `run_torch`: gradients from `jax.vjp` with `upstream` as the cotangent.
-
-    Runs eagerly (pass a `jax.jit`-ed `fn` to test under jit): for the small shapes of the tests,
-    eager dispatch compiles less on CPU than one `jit` of the loss and its vjp. x64 is on for
-    float64 only (`jax_x64`); other dtypes run in the caller's setting (off, unless it switched it on).
-    """
-    import jax
-    import jax.numpy as jnp
-
-    with jax_x64(dtype):
-        arrays = {k: jnp.asarray(v) if k == "targets" else jnp.asarray(v, dtype=jax_dtype(dtype))
-                  for k, v in inputs.items()}
-        diff = {k: arrays.pop(k) for k in grad_names if k in arrays}
-
-        def loss_fn(diff_arrays):
-            a = {**arrays, **diff_arrays}
-            out = fn(a["hidden"], a["item_weight"], a["targets"], a.get("bias"), weight=a.get("weight"),
-                     class_weight=a.get("class_weight"), pos_weight=a.get("pos_weight"),
-                     return_metrics=return_metrics, **kwargs)
-            return out if return_metrics else (out, None)
-
-        loss, vjp, metrics = jax.vjp(loss_fn, diff, has_aux=True)
-        (cotangents,) = vjp(jnp.asarray(upstream, dtype=loss.dtype))
-        return _collect(loss, metrics, {f"d_{k}": value for k, value in cotangents.items()})
-
-
-# -- the exact-as-dense rule (issue 11); its float64 oracle is tests/_properties_oracle.py -------
-
-# Per dtype: machine epsilon (`eps`); the relative tolerance (`tol`) is TOLERANCES, the one table.
-EPSILON = {"float64": 2.0**-52, "float32": 2.0**-23, "bfloat16": 2.0**-7, "float16": 2.0**-10}
-# The absolute error of underflow per term, per result dtype (`Oracle.flush`): the smallest normal
-# number (XLA on CPU flushes subnormals to zero); float16 (torch only, which keeps subnormals) one
-# subnormal step, as its 'mean' gradients are often there.
-UNDERFLOW = {"float64": 2.0**-1022, "float32": 2.0**-126, "bfloat16": 2.0**-126, "float16": 2.0**-24}
-# The largest finite value per dtype: a truth beyond it must overflow (or saturate) with its sign.
-LARGEST = {"float64": float(np.finfo(np.float64).max), "float32": float(np.finfo(np.float32).max),
-           "bfloat16": 3.3895313892515355e38, "float16": 65504.0}
-
-
-def normwise_error(x, truth) -> tuple[float, tuple[int, ...]]:
-    """`(max |x - truth| / max |truth|, index of the max)`; NaN / Inf against a finite truth is infinite."""
-    x, truth = to_numpy(x), to_numpy(truth)
-    if x.shape != truth.shape:
-        raise AssertionError(f"shape mismatch: {x.shape} vs truth {truth.shape}")
-    if x.size == 0:
-        return 0.0, ()
-    with np.errstate(invalid="ignore"):
-        diff = np.abs(x - truth)
-    same = (x == truth) | (np.isnan(x) & np.isnan(truth))
-    diff = np.where(same, 0.0, np.where(np.isnan(diff), np.inf, diff))
-    index = np.unravel_index(int(np.argmax(diff)), diff.shape)
-    scale = float(np.max(np.abs(truth), initial=0.0, where=np.isfinite(truth)))
-    if diff[index] == 0:
-        return 0.0, tuple(int(i) for i in index)
-    return float(diff[index]) / max(scale, _TINY), tuple(int(i) for i in index)
-
-
-def _failure(name, rule, index, fast, dense, truth):
-    index = tuple(int(i) for i in index)
-    at = lambda a: None if a is None else float(np.asarray(a)[index])
-    values = f"fast={at(fast)!r}, dense={at(dense)!r}, truth={at(truth)!r}"
-    return AssertionError(f"{name}: {rule} at index {index}: {values}")
-
-
-def assert_exact_as_dense(fast, dense, oracle, *, dtype: str, name: str) -> None:
-    """The exact-as-dense rule (docs/design.md, 'Precision') for one example's results.
-
-    `fast`: {name: array} from the path under test; `dense`: `dense_same_dtype`'s results on the
-    same inputs; `oracle`: `float64_oracle`'s (both in tests/_properties_oracle.py).
-    tol = TOLERANCES[dtype] (the same table as `assert_close`), eps = EPSILON[dtype].
-
-    - loss, float32 / float64, elementwise (each row of 'none', or the scalar):
-      |fast - truth| <= tol * A + 4 * eps * B + flush, with A = the float64 sum of |element losses|
-      feeding that output, B = its first-order sensitivity to rounding the logits,
-      sum of |d output / d z[n, v]| * (sum_d |h[n, d] E[v, d]| + |b[v]|) over those elements, and
-      flush = `Oracle.flush` (subnormal terms: XLA on CPU flushes them to zero).
-    - loss, bfloat16 / float16 (CCE's rule), normwise: err(fast) <= err(dense) + tol, with
-      err(x) = max |x - truth| / max |truth| (+ flush, absolute).
-    - every gradient, every dtype, CCE's rule plus the conditioning of each entry, elementwise:
-      |fast - truth| <= (err(dense) + tol) * max |truth| + slack, where C is the entry's
-      `grad_scale` (sum of |terms| and their logit-rounding sensitivity: a heavily cancelling entry
-      has as few correct digits in any summation order) and flush = `Oracle.flush`:
-      float32 / float64: slack = 4 * eps * C + flush (eps of the accumulation, the input dtype);
-      bfloat16 / float16: slack = eps / 2 * (C + |truth|) + flush: their matmul inputs (dz too) may
-      be rounded to the half dtype (unit roundoff eps / 2 on every term), and the result, returned
-      in it, may round to the other neighbour (tol, 2e-3, is less than half an ulp above 2^k).
-    - loss, all dtypes: fast >= 0 wherever every element loss feeding it is >= 0 (so truth >= 0;
-      with negative weights a tiny true sum may round either way).
-    - metrics (tp, fp, fn, tn): |fast - truth| <= the oracle's slack: exact, except for logits
-      within rounding of 0 and the float32 rounding of weighted counts.
-
-    Missing or extra result names fail. On failure the message has the max error, where, and the
-    fast / dense / truth values there.
-    """
-    truth, tol, eps = oracle.truth, TOLERANCES[dtype], EPSILON[dtype]
-    missing = set(truth) ^ set(fast)
-    assert not missing, f"{name}: results differ in keys {sorted(missing)} (fast {sorted(fast)}, truth {sorted(truth)})"
-    got = {k: to_numpy(v) for k, v in fast.items()}
-    for key in truth:
-        if got[key].shape != truth[key].shape:
-            raise AssertionError(f"{name}:{key} shape {got[key].shape} != truth's {truth[key].shape}")
-    loss, true_loss, dense_loss = got["loss"], truth["loss"], to_numpy(dense["loss"])
-    if dtype in HALF_DTYPES:
-        _normwise(f"{name}:loss", loss, dense_loss, true_loss, tol, oracle.flush["loss"], dtype, "float32")
-    else:
-        bound = tol * oracle.loss_abs + 4 * eps * oracle.loss_sensitivity + oracle.flush["loss"]
-        i = _worst_excess(loss, true_loss, bound)
-        if i is not None:
-            rule = (f"|fast - truth| = {abs(loss[i] - true_loss[i]):.3e} > tol*A + 4*eps*B + flush = {bound[i]:.3e} "
-                    f"(A={oracle.loss_abs[i]:.3e}, B={oracle.loss_sensitivity[i]:.3e}) [{dtype}]")
-            raise _failure(f"{name}:loss", rule, i, loss, dense_loss, true_loss)
-    below = oracle.nonnegative & (loss < 0)
-    if np.any(below):
-        i = np.unravel_index(int(np.argmax(below)), below.shape)
-        raise _failure(f"{name}:loss", "below zero where every element loss is >= 0", i, loss, dense_loss, true_loss)
-    for key in truth:
-        if key.startswith("d_"):
-            if dtype in HALF_DTYPES:
-                slack = eps / 2 * (oracle.grad_scale[key] + np.abs(truth[key])) + oracle.flush[key]
-            else:
-                slack = 4 * eps * oracle.grad_scale[key] + oracle.flush[key]
-            _normwise(f"{name}:{key}", got[key], to_numpy(dense[key]), truth[key], tol, slack, dtype, dtype)
-        elif key in METRIC_NAMES:
-            i = _worst_excess(got[key], truth[key], oracle.count_slack[key])
-            if i is not None:
-                rule = f"count off by {abs(got[key][i] - truth[key][i]):g} > slack {oracle.count_slack[key][i]:g}"
-                raise _failure(f"{name}:{key}", rule, i, got[key], None, truth[key])
-
-
-def _worst_excess(got, truth, allowed):
-    """The index where |got - truth| - allowed is largest if positive, else None (NaN vs a number: inf)."""
-    with np.errstate(invalid="ignore"):
-        excess = np.abs(got - truth) - allowed
-    same = (got == truth) | (np.isnan(got) & np.isnan(truth))
-    excess = np.where(same, -np.inf, np.where(np.isnan(excess), np.inf, excess))
-    if not excess.size or np.max(excess) <= 0:
-        return None
-    return tuple(int(i) for i in np.unravel_index(int(np.argmax(excess)), excess.shape))
-
-
-def _normwise(name, fast, dense, truth, tol, slack, dtype, result_dtype):
-    """|fast - truth| <= (err(dense) + tol) * max |truth| + slack, elementwise (slack: a scalar or
-    an array of truth's shape); NaN / Inf where truth is finite fail. Entries whose truth is beyond
-    `result_dtype`'s range must overflow (to inf or the largest finite) with the truth's sign, and
-    are left out of the norms."""
-    beyond = np.abs(truth) > LARGEST[result_dtype]
-    if np.any(beyond):
-        wrong = beyond & ~((np.sign(fast) == np.sign(truth)) & (np.abs(fast) >= LARGEST[result_dtype]))
-        if np.any(wrong):
-            i = tuple(int(j) for j in np.argwhere(wrong)[0])
-            raise _failure(name, f"truth beyond {result_dtype}'s range, fast neither overflows nor saturates",
-                           i, fast, dense, truth)
-        fast, dense, truth = (np.where(beyond, 0.0, x) for x in (fast, dense, truth))
-    err, _ = normwise_error(fast, truth)
-    dense_err, _ = normwise_error(dense, truth)
-    if not np.isfinite(dense_err):
-        return  # the dense reference itself overflowed: no finite bound to hold fast to
-    scale = float(np.max(np.abs(truth), initial=0.0, where=np.isfinite(truth)))
-    allowed = (dense_err + tol) * scale if scale > 0 else 0.0  # inf * 0 would be NaN
-    i = _worst_excess(fast, truth, allowed + slack)
-    if i is not None:
-        rule = (f"normwise error {err:.3e} > dense {dtype} error {dense_err:.3e} + {tol:g} "
-                f"(+ slack {float(np.broadcast_to(slack, np.shape(truth))[i]):.1e} at the worst entry)")
-        raise _failure(name, rule, i, fast, dense, truth)
+from parity_exact import (  # noqa: E402, F401
+    EPSILON,
+    LARGEST,
+    UNDERFLOW,
+    _failure,
+    _normwise,
+    _worst_excess,
+    assert_exact_as_dense,
+    normwise_error,
+)
+from parity_runners import (  # noqa: E402, F401
+    _collect,
+    _jitted_dense_cut_bce,
+    check_against_oracle,
+    float64_truth,
+    run_jax,
+    run_torch,
+)

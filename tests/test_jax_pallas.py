@@ -10,14 +10,11 @@ deliberately odd: N, V and D are multiples of no block, N can be smaller than on
 last item tile is ragged, so the masking of items past V and the padding of rows are both
 exercised (in interpret mode Pallas fills out-of-bounds block rows with NaN, so a missing mask
 shows up as NaN here). Ids are random sets with -1 slots and rows without any positive.
+The launchers' input checks and the torch_xla call_jax run: test_jax_pallas_launch.py; the tile
+sizes: test_jax_pallas_block_sizes.py.
 """
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -27,13 +24,7 @@ pytest.importorskip("jax", reason="needs jax: pip install 'torch-cutbce[jax]'") 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jax_kernels.pallas.block_sizes import (  # noqa: E402
-    CHIPS,
-    PORTABLE_CHIP,
-    BlockSizes,
-    default_block_sizes,
-    vmem_estimate_bytes,
-)
+from jax_kernels.pallas.block_sizes import BlockSizes  # noqa: E402
 from jax_kernels.pallas.launch import (  # noqa: E402
     pallas_backward,
     pallas_forward,
@@ -319,139 +310,3 @@ def test_default_block_sizes_and_eager_call():
     assert predicted is None and hits is None and d_bias is None
     assert_rows("default/one_pass/rows", rows, truth["rows"])
     assert_close(d_hidden, truth["d_hidden"], dtype="float32", name="default/one_pass/d_hidden")
-
-
-def test_bad_inputs_raise():
-    h64, w64 = np.zeros((4, 8)), np.zeros((16, 8))  # numpy float64: no jax x64 needed
-    h32, w32 = h64.astype(np.float32), w64.astype(np.float32)
-    ids = np.full((4, 2), -1, np.int32)
-    with pytest.raises(TypeError, match="float64"):
-        pallas_forward(h64, w64, None, None, None, ids, compute_counts=False)
-    with pytest.raises(TypeError, match="float64"):
-        pallas_backward(h64, w64, None, None, None, ids, np.zeros(4, np.float32))
-    with pytest.raises(ValueError, match="g must have shape"):
-        pallas_value_and_grad(h32, w32, None, None, None, ids,
-                                         np.zeros(3, np.float32), compute_counts=True)
-    with pytest.raises(TypeError, match="float16"):
-        pallas_forward(h64.astype(np.float16), w64.astype(np.float16), None, None,
-                                  None, ids, compute_counts=False)
-    with pytest.raises(TypeError, match="must match"):
-        pallas_forward(h32, jnp.zeros((16, 8), jnp.bfloat16), None, None, None, ids,
-                                  compute_counts=False)
-    for name, position in (("bias", 2), ("pos_weight", 4)):
-        args = [h32, w32, None, None, None, ids]
-        args[position] = np.zeros(15, np.float32)
-        with pytest.raises(ValueError, match=name):
-            pallas_forward(*args, compute_counts=False)
-    with pytest.raises(ValueError, match="ids"):
-        pallas_forward(h32, w32, None, None, None, ids[:3], compute_counts=False)
-    with pytest.raises(TypeError, match="ids"):
-        pallas_forward(h32, w32, None, None, None, ids.astype(np.float32),
-                                  compute_counts=False)
-
-
-def test_block_sizes_validate_and_hash():
-    with pytest.raises(ValueError, match="block_v=100"):
-        BlockSizes(block_n=128, block_v=100)
-    with pytest.raises(ValueError, match="block_n=8"):
-        BlockSizes(block_n=8, block_v=128)
-    with pytest.raises(ValueError, match="vmem_limit_bytes"):
-        BlockSizes(block_n=128, block_v=128, vmem_limit_bytes=10)
-    with pytest.raises(TypeError, match="block_n"):
-        BlockSizes(block_n=128.0, block_v=128)
-    a, b = BlockSizes(256, 512, 32 << 20), BlockSizes(256, 512, 32 << 20)
-    assert a == b and hash(a) == hash(b)
-    assert a.clipped(n=10, v=300) == BlockSizes(128, 384, 32 << 20)
-    with pytest.raises(ValueError, match="chip"):
-        default_block_sizes(100, 100, 64, jnp.float32, chip="v9")
-
-
-@pytest.mark.parametrize("chip", sorted(CHIPS))
-def test_default_block_sizes_fit_the_chip(chip):
-    spec = CHIPS[chip]
-    for n, v, d, dtype, slots in [(8192, 876939, 256, jnp.float32, 1),
-                                  (1000, 100000, 64, jnp.bfloat16, 32),
-                                  (1100, 1000, 96, jnp.bfloat16, 0),
-                                  (1, 50, 512, jnp.float32, 300)]:
-        bs = default_block_sizes(n, v, d, dtype, chip=chip, num_targets=slots)
-        assert bs.vmem_limit_bytes == spec.vmem_limit_bytes < spec.vmem_bytes
-        assert (vmem_estimate_bytes(bs.block_n, bs.block_v, d, dtype, num_targets=slots)
-                <= bs.vmem_limit_bytes)
-        assert bs.block_n % 128 == 0 and bs.block_v % 128 == 0
-        if bs.block_v >= spec.mxu_width:
-            assert bs.block_v % spec.mxu_width == 0, bs
-        # balanced and clipped: never more than one tile's alignment of padding
-        assert bs.block_n < n + 128 and bs.block_v < v + max(spec.mxu_width, 128)
-    # N = 1100: two balanced tiles of 640 rows, not 2 x 1024.
-    if spec.vmem_bytes >= 64 << 20 and spec.cores_per_device == 1:
-        assert default_block_sizes(1100, 10**6, 128, jnp.bfloat16, chip=chip).block_n == 640
-    assert default_block_sizes(10, 10, 8, jnp.float32, chip=PORTABLE_CHIP).block_n == 128
-    # Up to 128 target slots share one lane-padded ids block.
-    assert vmem_estimate_bytes(512, 512, 64, jnp.float32, num_targets=1) == vmem_estimate_bytes(
-        512, 512, 64, jnp.float32, num_targets=128)
-
-
-CALL_JAX_SCRIPT = textwrap.dedent(
-    """
-    import os, sys
-    os.environ.setdefault("PJRT_DEVICE", "CPU")
-    sys.path.insert(0, "tests")  # parity (the one tolerance table); the cwd is the repository root
-    import torch  # torch and torch_xla before jax
-    import torch_xla
-    import torch_xla.core.xla_builder as xb
-    import numpy as np
-    from parity import assert_close
-    from jax_kernels.pallas.block_sizes import BlockSizes
-    from jax_kernels.pallas.launch import (
-        pallas_backward, pallas_forward)
-
-    BS = BlockSizes(block_n=128, block_v=256)
-
-    def forward(h, w, b, c, p, ids):  # module level: call_jax caches by id(fn)
-        return pallas_forward(h, w, b, c, p, ids, compute_counts=True, block_sizes=BS)
-
-    def backward(h, w, b, c, p, ids, g):
-        return pallas_backward(h, w, b, c, p, ids, g, block_sizes=BS)
-
-    rng = np.random.default_rng(0)
-    n, v, d = 200, 600, 40
-    h = (rng.normal(size=(n, d)) * 0.5).astype(np.float32)
-    w = rng.normal(size=(v, d)).astype(np.float32)
-    b = rng.normal(size=v).astype(np.float32)
-    c = rng.uniform(0.5, 2, size=v).astype(np.float32)
-    p = rng.uniform(0.5, 3, size=v).astype(np.float32)
-    ids = np.stack([rng.permutation(v)[:2] for _ in range(n)]).astype(np.int32)
-    ids[::3, 1] = -1
-    g = rng.normal(size=n).astype(np.float32)
-    dev = torch_xla.device()
-    t = lambda x: torch.from_numpy(x).to(dev)
-    rows, predicted, hits = xb.call_jax(forward, (t(h), t(w), t(b), t(c), t(p), t(ids)))
-    grads = xb.call_jax(backward, (t(h), t(w), t(b), t(c), t(p), t(ids), t(g)))
-    torch_xla.sync()
-    z = h.astype(np.float64) @ w.T.astype(np.float64) + b
-    y = np.zeros((n, v), bool)
-    y[np.arange(n)[:, None].repeat(2, 1)[ids >= 0], ids[ids >= 0]] = True
-    wgt = c * np.where(y, p, 1.0)
-    zs = np.where(y, -z, z)
-    s = 1 / (1 + np.exp(-zs))
-    dz = g[:, None] * wgt * np.where(y, -s, s)
-    pairs = [(rows, (np.logaddexp(0, zs) * wgt).sum(1)), (predicted, (z > 0).sum(1)),
-             (hits, (y & (z > 0)).sum(1)), (grads[0], dz @ w), (grads[1], dz.T @ h),
-             (grads[2], dz.sum(0))]
-    for i, (got, want) in enumerate(pairs):
-        assert_close(got.cpu().numpy(), want, dtype="float32", name=f"call_jax output {i}")
-    print("CALL_JAX_OK")
-    """
-)
-
-
-@pytest.mark.xla
-def test_kernels_through_torch_xla_call_jax():
-    """The same kernels lowered by torch_xla's call_jax on PJRT_DEVICE=CPU pick the interpreter
-    (platform_dependent sees the CPU lowering platform). A subprocess, because torch_xla must be
-    imported before jax and call_jax changes global JAX config."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH=root)
-    proc = subprocess.run([sys.executable, "-c", CALL_JAX_SCRIPT], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "CALL_JAX_OK" in proc.stdout, proc.stderr[-4000:]
