@@ -168,12 +168,12 @@ def jax_part(shape, block_v, rounds):
 
     def forward(module, h, e):
         if module is blocked:
-            return blocked.blocked_forward(h, e, None, None, None, ids, block_v=block_v, compute_counts=False)[0]
+            return blocked.blocked_forward(h, e, ids, None, None, None, block_v=block_v, compute_counts=False)[0]
         return module.blocked_background_forward(h, e, None, None, block_v=block_v, compute_counts=False)[0]
 
     def backward(module, h, e, g):
         if module is blocked:
-            return blocked.blocked_backward(h, e, None, None, None, ids, g, block_v=block_v)
+            return blocked.blocked_backward(h, e, ids, None, None, None, g, block_v=block_v)
         return module.blocked_background_backward(h, e, None, None, g, block_v=block_v)
 
     def compiled(module, mode):
@@ -205,7 +205,7 @@ def jax_part(shape, block_v, rounds):
 
         def loss_fwd(h, e):
             g = jnp.full((n,), 1 / (n * v), h.dtype)
-            rows, _, d_h, d_e, _ = blocked.blocked_value_and_grad(h, e, None, None, None, ids, g, block_v=block_v,
+            rows, _, d_h, d_e, _ = blocked.blocked_value_and_grad(h, e, ids, None, None, None, g, block_v=block_v,
                                                                   compute_counts=False)
             return rows.sum() / (n * v), (d_h, d_e)
 

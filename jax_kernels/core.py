@@ -120,7 +120,7 @@ def cut_bce_forward(hidden, item_weight, targets, bias, class_weight, pos_weight
     """
     ids = positives.positive_ids(targets, item_weight.shape[0])
     engine = engine_for(config.impl, hidden)
-    rows, counted = engine.forward(config, hidden, item_weight, bias, class_weight, pos_weight, ids)
+    rows, counted = engine.forward(config, hidden, item_weight, ids, bias, class_weight, pos_weight)
     return rows, _metric_counts(config, counted, ids, item_weight.shape[0])
 
 
@@ -128,7 +128,7 @@ def cut_bce_backward(hidden, item_weight, targets, bias, class_weight, pos_weigh
     """Gradients of `sum_n g[n] rows[n]`: `(d_hidden, d_item_weight, d_bias or None)` in the input dtypes."""
     ids = positives.positive_ids(targets, item_weight.shape[0])
     engine = engine_for(config.impl, hidden)
-    grads = engine.backward(config, hidden, item_weight, bias, class_weight, pos_weight, ids, g)
+    grads = engine.backward(config, hidden, item_weight, ids, bias, class_weight, pos_weight, g)
     return _in_input_dtypes(hidden, item_weight, bias, grads)
 
 
@@ -148,7 +148,7 @@ def cut_bce_value_and_grad(hidden, item_weight, targets, bias, class_weight, pos
     """
     ids = positives.positive_ids(targets, item_weight.shape[0])
     engine = engine_for(config.impl, hidden)
-    rows, counted, *grads = engine.value_and_grad(config, hidden, item_weight, bias, class_weight, pos_weight, ids, g)
+    rows, counted, *grads = engine.value_and_grad(config, hidden, item_weight, ids, bias, class_weight, pos_weight, g)
     counts = _metric_counts(config, counted, ids, item_weight.shape[0])
     return (rows, counts), tuple(grads)
 

@@ -25,7 +25,7 @@ class Engine:
       dtypes: the input dtype names it takes (None: every float dtype).
       takes_empty: whether it runs N = 0 or D = 0 (the kernels need a row and a hidden unit to tile;
         the blocked loop gives the same trivial result).
-      forward: `(config, hidden, item_weight, bias, class_weight, pos_weight, ids)` ->
+      forward: `(config, hidden, item_weight, ids, bias, class_weight, pos_weight)` ->
         `(rows [N], [predicted, hits] [2, N] or None)`.
       backward: the same operands and `g [N]` -> `(d_hidden, d_item_weight, d_bias or None)`.
       value_and_grad: the same operands and `g` -> `(rows, counts or None, d_hidden, d_item_weight,
@@ -46,25 +46,25 @@ class Engine:
         return self.takes_empty or (hidden.shape[0] > 0 and hidden.shape[1] > 0)
 
 
-def _blocked_forward(config, hidden, item_weight, bias, class_weight, pos_weight, ids):
+def _blocked_forward(config, hidden, item_weight, ids, bias, class_weight, pos_weight):
     from jax_kernels.blocked.loop import blocked_forward
 
-    return blocked_forward(hidden, item_weight, bias, class_weight, pos_weight, ids, block_v=config.block_v,
+    return blocked_forward(hidden, item_weight, ids, bias, class_weight, pos_weight, block_v=config.block_v,
                            compute_counts=config.compute_metrics, loss=config.loss,
                            cpu_kernel=config.cpu_kernel)
 
 
-def _blocked_backward(config, hidden, item_weight, bias, class_weight, pos_weight, ids, g):
+def _blocked_backward(config, hidden, item_weight, ids, bias, class_weight, pos_weight, g):
     from jax_kernels.blocked.loop import blocked_backward
 
-    return blocked_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, g, block_v=config.block_v,
+    return blocked_backward(hidden, item_weight, ids, bias, class_weight, pos_weight, g, block_v=config.block_v,
                             loss=config.loss, cpu_kernel=config.cpu_kernel)
 
 
-def _blocked_value_and_grad(config, hidden, item_weight, bias, class_weight, pos_weight, ids, g):
+def _blocked_value_and_grad(config, hidden, item_weight, ids, bias, class_weight, pos_weight, g):
     from jax_kernels.blocked.loop import blocked_value_and_grad
 
-    return blocked_value_and_grad(hidden, item_weight, bias, class_weight, pos_weight, ids, g,
+    return blocked_value_and_grad(hidden, item_weight, ids, bias, class_weight, pos_weight, g,
                                   block_v=config.block_v, compute_counts=config.compute_metrics,
                                   loss=config.loss, cpu_kernel=config.cpu_kernel)
 
@@ -74,27 +74,27 @@ def _counted(config, predicted, hits):
     return jnp.stack([predicted, hits]) if config.compute_metrics else None
 
 
-def _pallas_forward(config, hidden, item_weight, bias, class_weight, pos_weight, ids):
+def _pallas_forward(config, hidden, item_weight, ids, bias, class_weight, pos_weight):
     from jax_kernels.pallas.launch import pallas_forward
 
-    rows, predicted, hits = pallas_forward(hidden, item_weight, bias, class_weight, pos_weight, ids,
+    rows, predicted, hits = pallas_forward(hidden, item_weight, ids, bias, class_weight, pos_weight,
                                            compute_counts=config.compute_metrics,
                                            block_sizes=config.block_sizes, loss=config.loss)
     return rows, _counted(config, predicted, hits)
 
 
-def _pallas_backward(config, hidden, item_weight, bias, class_weight, pos_weight, ids, g):
+def _pallas_backward(config, hidden, item_weight, ids, bias, class_weight, pos_weight, g):
     from jax_kernels.pallas.launch import pallas_backward
 
-    return pallas_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, g,
+    return pallas_backward(hidden, item_weight, ids, bias, class_weight, pos_weight, g,
                            block_sizes=config.block_sizes, loss=config.loss)
 
 
-def _pallas_value_and_grad(config, hidden, item_weight, bias, class_weight, pos_weight, ids, g):
+def _pallas_value_and_grad(config, hidden, item_weight, ids, bias, class_weight, pos_weight, g):
     from jax_kernels.pallas.launch import pallas_value_and_grad
 
     rows, predicted, hits, *grads = pallas_value_and_grad(
-        hidden, item_weight, bias, class_weight, pos_weight, ids, g, compute_counts=config.compute_metrics,
+        hidden, item_weight, ids, bias, class_weight, pos_weight, g, compute_counts=config.compute_metrics,
         block_sizes=config.block_sizes, loss=config.loss)
     return (rows, _counted(config, predicted, hits), *grads)
 

@@ -130,7 +130,7 @@ def compile_case(chip, case):
     counts = "counts" in case["options"]
     loss = _loss(case)
     prefix = "" if loss.plain else "loss_"
-    common = (s["hidden"], s["item_weight"], s["bias"], s["class_weight"], s["pos_weight"], s["ids"])
+    common = (s["hidden"], s["item_weight"], s["ids"], s["bias"], s["class_weight"], s["pos_weight"])
     jobs = {
         "forward": (functools.partial(pallas_forward, compute_counts=counts, loss=loss), common),
         "backward": (functools.partial(pallas_backward, loss=loss), common + (s["g"],)),
@@ -159,7 +159,7 @@ def main(out_path, chips):
         s = _structs(case)
         if what.startswith("forward"):
             fn = functools.partial(pallas_forward, compute_counts=False)
-            args = (s["hidden"], s["item_weight"], None, None, None, s["ids"])
+            args = (s["hidden"], s["item_weight"], s["ids"], None, None, None)
         else:
             fn = functools.partial(_loss_and_grads, counts=False)
             args = (s["hidden"], s["item_weight"], s["ids"], None, None, None)

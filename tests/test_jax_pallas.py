@@ -49,7 +49,7 @@ def assert_rows(name, rows, truth):
     assert_close(rows, truth, dtype="float32", name=name, elementwise=True)
 
 
-def oracle(hidden, item_weight, bias, class_weight, pos_weight, ids, g):
+def oracle(hidden, item_weight, ids, bias, class_weight, pos_weight, g):
     """Float64 dense truth: a dict of rows, predicted, hits, the gradients, |z| and y."""
     h = np.asarray(hidden, np.float64)
     w = np.asarray(item_weight, np.float64)
@@ -99,7 +99,8 @@ def make_inputs(seed, n, v, d, num_slots, *, dtype=np.float32, bias=True, class_
     g[rng.random(n) < 0.1] = 0.0
     cast = (lambda x: jnp.asarray(x, jnp.bfloat16)) if dtype == jnp.bfloat16 else (
         lambda x: np.asarray(x, np.float32))
-    return cast(hidden), cast(item_weight), b, cw, pw, random_ids(rng, n, v, num_slots), g
+    ids = random_ids(rng, n, v, num_slots)
+    return cast(hidden), cast(item_weight), ids, b, cw, pw, g
 
 
 def make_confident_inputs(seed, n, v, extra_d, num_slots):
@@ -137,7 +138,7 @@ def make_confident_inputs(seed, n, v, extra_d, num_slots):
     pw = rng.uniform(0.5, 3.0, size=v).astype(np.float32)
     g = rng.normal(size=n).astype(np.float32)
     f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
-    return f32(hidden), f32(item_weight), f32(bias), cw, pw, ids, g
+    return f32(hidden), f32(item_weight), ids, f32(bias), cw, pw, g
 
 
 # Both ways to the six outputs: forward then backward (three kernels), and the one-pass gradient of
@@ -176,7 +177,7 @@ def check_float32(name, inputs, block_sizes, band, engine):
     assert_rows(f"{name}/rows", rows, truth["rows"])
     check_counts(name, dict(predicted=predicted, hits=hits), truth, band)
     for key, got in zip(GRADS, grads):
-        if key == "d_bias" and inputs[2] is None:
+        if key == "d_bias" and inputs[3] is None:
             assert got is None
             continue
         assert got.dtype == jnp.float32, key
@@ -214,7 +215,7 @@ def test_confident_positives_exact_per_row(pos_weight, engine):
     softplus(-z) to the rounding of a row sum that went through softplus(z) - z."""
     inputs = list(make_confident_inputs(11, 150, 200, 9, 5))
     if not pos_weight:
-        inputs[4] = None
+        inputs[5] = None
     truth = check_float32("confident", inputs, BlockSizes(block_n=128, block_v=128), band=1e-4,
                           engine=engine)
     confident = truth["rows"][::2]
@@ -241,7 +242,7 @@ def _check_single_item(engine):
     ids = np.array([[0, -1], [-1, -1], [-1, 0]], np.int32)
     g = np.array([0.7, -1.3, 0.4], np.float32)
     for pw in (None, np.full(1, 2.5, np.float32)):
-        inputs = (hidden, item_weight, bias, np.full(1, 0.75, np.float32), pw, ids, g)
+        inputs = (hidden, item_weight, ids, bias, np.full(1, 0.75, np.float32), pw, g)
         rows, predicted, hits, *grads = run_kernels(inputs, None, engine)
         truth = oracle(*inputs)
         wgt = 0.75 * (1.0 if pw is None else 2.5)
@@ -255,10 +256,10 @@ def _check_single_item(engine):
                          elementwise=True)
 
 
-def dense_bf16(hidden, item_weight, bias, class_weight, pos_weight, ids, g):
+def dense_bf16(hidden, item_weight, ids, bias, class_weight, pos_weight, g):
     """The same math run densely in bfloat16: the yardstick of the bf16 rule."""
     bf = jnp.bfloat16
-    y = jnp.asarray(oracle(hidden, item_weight, None, None, None, ids, g)["y"])
+    y = jnp.asarray(oracle(hidden, item_weight, ids, None, None, None, g)["y"])
     z = hidden @ item_weight.T + jnp.asarray(bias, bf)
     wgt = jnp.asarray(class_weight, bf) * jnp.where(y, jnp.asarray(pos_weight, bf), bf(1))
     zs = jnp.where(y, -z, z)
@@ -287,26 +288,26 @@ def test_default_block_sizes_and_eager_call():
     """block_sizes=None derives tiles (portable chip on CPU); outside jit, platform_dependent
     resolves to the interpreter eagerly. compute_counts=False returns no counts; with L = 0,
     hits are 0."""
-    hidden, item_weight, bias, cw, pw, ids, g = make_inputs(3, 70, 300, 16, 2)
-    rows, predicted, hits = pallas_forward(hidden, item_weight, bias, cw, pw, ids,
+    hidden, item_weight, ids, bias, cw, pw, g = make_inputs(3, 70, 300, 16, 2)
+    rows, predicted, hits = pallas_forward(hidden, item_weight, ids, bias, cw, pw,
                                                       compute_counts=False)
     assert predicted is None and hits is None
-    assert_rows("default/rows", rows, oracle(hidden, item_weight, bias, cw, pw, ids, g)["rows"])
-    d_hidden, d_item_weight, d_bias = pallas_backward(hidden, item_weight, None, cw,
-                                                                 pw, ids, g)
+    assert_rows("default/rows", rows, oracle(hidden, item_weight, ids, bias, cw, pw, g)["rows"])
+    d_hidden, d_item_weight, d_bias = pallas_backward(hidden, item_weight, ids, None, cw,
+                                                                 pw, g)
     assert d_bias is None
-    truth = oracle(hidden, item_weight, None, cw, pw, ids, g)
+    truth = oracle(hidden, item_weight, ids, None, cw, pw, g)
     assert_close(d_hidden, truth["d_hidden"], dtype="float32", name="default/d_hidden")
     assert_close(d_item_weight, truth["d_item_weight"], dtype="float32", name="default/d_item_weight")
     no_slots = np.zeros((70, 0), np.int32)
-    _, predicted, hits = pallas_forward(hidden, item_weight, bias, cw, pw, no_slots,
+    _, predicted, hits = pallas_forward(hidden, item_weight, no_slots, bias, cw, pw,
                                                    compute_counts=True)
     np.testing.assert_array_equal(hits, np.zeros(70))
     assert predicted.shape == (70,)
     # The one-pass launcher eagerly, without counts, bias or ids.
-    truth = oracle(hidden, item_weight, None, cw, pw, no_slots, g)
+    truth = oracle(hidden, item_weight, no_slots, None, cw, pw, g)
     rows, predicted, hits, d_hidden, _, d_bias = pallas_value_and_grad(
-        hidden, item_weight, None, cw, pw, no_slots, g, compute_counts=False)
+        hidden, item_weight, no_slots, None, cw, pw, g, compute_counts=False)
     assert predicted is None and hits is None and d_bias is None
     assert_rows("default/one_pass/rows", rows, truth["rows"])
     assert_close(d_hidden, truth["d_hidden"], dtype="float32", name="default/one_pass/d_hidden")

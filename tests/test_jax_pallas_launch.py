@@ -31,27 +31,27 @@ def test_bad_inputs_raise():
     h32, w32 = h64.astype(np.float32), w64.astype(np.float32)
     ids = np.full((4, 2), -1, np.int32)
     with pytest.raises(TypeError, match="float64"):
-        pallas_forward(h64, w64, None, None, None, ids, compute_counts=False)
+        pallas_forward(h64, w64, ids, None, None, None, compute_counts=False)
     with pytest.raises(TypeError, match="float64"):
-        pallas_backward(h64, w64, None, None, None, ids, np.zeros(4, np.float32))
+        pallas_backward(h64, w64, ids, None, None, None, np.zeros(4, np.float32))
     with pytest.raises(ValueError, match="g must have shape"):
-        pallas_value_and_grad(h32, w32, None, None, None, ids,
+        pallas_value_and_grad(h32, w32, ids, None, None, None,
                                          np.zeros(3, np.float32), compute_counts=True)
     with pytest.raises(TypeError, match="float16"):
-        pallas_forward(h64.astype(np.float16), w64.astype(np.float16), None, None,
-                                  None, ids, compute_counts=False)
+        pallas_forward(h64.astype(np.float16), w64.astype(np.float16), ids, None, None,
+                                  None, compute_counts=False)
     with pytest.raises(TypeError, match="must match"):
-        pallas_forward(h32, jnp.zeros((16, 8), jnp.bfloat16), None, None, None, ids,
+        pallas_forward(h32, jnp.zeros((16, 8), jnp.bfloat16), ids, None, None, None,
                                   compute_counts=False)
-    for name, position in (("bias", 2), ("pos_weight", 4)):
-        args = [h32, w32, None, None, None, ids]
+    for name, position in (("bias", 3), ("pos_weight", 5)):
+        args = [h32, w32, ids, None, None, None]
         args[position] = np.zeros(15, np.float32)
         with pytest.raises(ValueError, match=name):
             pallas_forward(*args, compute_counts=False)
     with pytest.raises(ValueError, match="ids"):
-        pallas_forward(h32, w32, None, None, None, ids[:3], compute_counts=False)
+        pallas_forward(h32, w32, ids[:3], None, None, None, compute_counts=False)
     with pytest.raises(TypeError, match="ids"):
-        pallas_forward(h32, w32, None, None, None, ids.astype(np.float32),
+        pallas_forward(h32, w32, ids.astype(np.float32), None, None, None,
                                   compute_counts=False)
 
 
@@ -71,11 +71,11 @@ CALL_JAX_SCRIPT = textwrap.dedent(
 
     BS = BlockSizes(block_n=128, block_v=256)
 
-    def forward(h, w, b, c, p, ids):  # module level: call_jax caches by id(fn)
-        return pallas_forward(h, w, b, c, p, ids, compute_counts=True, block_sizes=BS)
+    def forward(h, w, ids, b, c, p):  # module level: call_jax caches by id(fn)
+        return pallas_forward(h, w, ids, b, c, p, compute_counts=True, block_sizes=BS)
 
-    def backward(h, w, b, c, p, ids, g):
-        return pallas_backward(h, w, b, c, p, ids, g, block_sizes=BS)
+    def backward(h, w, ids, b, c, p, g):
+        return pallas_backward(h, w, ids, b, c, p, g, block_sizes=BS)
 
     rng = np.random.default_rng(0)
     n, v, d = 200, 600, 40
@@ -89,8 +89,8 @@ CALL_JAX_SCRIPT = textwrap.dedent(
     g = rng.normal(size=n).astype(np.float32)
     dev = torch_xla.device()
     t = lambda x: torch.from_numpy(x).to(dev)
-    rows, predicted, hits = xb.call_jax(forward, (t(h), t(w), t(b), t(c), t(p), t(ids)))
-    grads = xb.call_jax(backward, (t(h), t(w), t(b), t(c), t(p), t(ids), t(g)))
+    rows, predicted, hits = xb.call_jax(forward, (t(h), t(w), t(ids), t(b), t(c), t(p)))
+    grads = xb.call_jax(backward, (t(h), t(w), t(ids), t(b), t(c), t(p), t(g)))
     torch_xla.sync()
     z = h.astype(np.float64) @ w.T.astype(np.float64) + b
     y = np.zeros((n, v), bool)

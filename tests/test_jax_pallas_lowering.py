@@ -50,20 +50,20 @@ def lower_all(n, v, d, dtype, block_sizes, *, bias, class_weight, pos_weight, nu
                compute_counts):
     """Export forward, backward and the one-pass value_and_grad for TPU; return their module texts."""
 
-    def forward(h, w, b, c, p, ids):
-        return pallas_forward(h, w, b, c, p, ids, compute_counts=compute_counts,
+    def forward(h, w, ids, b, c, p):
+        return pallas_forward(h, w, ids, b, c, p, compute_counts=compute_counts,
                                          block_sizes=block_sizes)
 
-    def backward(h, w, b, c, p, ids, g):
-        return pallas_backward(h, w, b, c, p, ids, g, block_sizes=block_sizes)
+    def backward(h, w, ids, b, c, p, g):
+        return pallas_backward(h, w, ids, b, c, p, g, block_sizes=block_sizes)
 
-    def one_pass(h, w, b, c, p, ids, g):
-        return pallas_value_and_grad(h, w, b, c, p, ids, g, block_sizes=block_sizes,
+    def one_pass(h, w, ids, b, c, p, g):
+        return pallas_value_and_grad(h, w, ids, b, c, p, g, block_sizes=block_sizes,
                                                 compute_counts=compute_counts)
 
-    args = (sds((n, d), dtype), sds((v, d), dtype), sds((v,)) if bias else None,
-            sds((v,)) if class_weight else None, sds((v,)) if pos_weight else None,
-            sds((n, num_slots), jnp.int32))
+    args = (sds((n, d), dtype), sds((v, d), dtype), sds((n, num_slots), jnp.int32),
+            sds((v,)) if bias else None, sds((v,)) if class_weight else None,
+            sds((v,)) if pos_weight else None)
     g = sds((n,))
     return exported_text(forward, *args), exported_text(backward, *args, g), exported_text(
         one_pass, *args, g)
@@ -148,13 +148,13 @@ def test_cpu_lowering_uses_the_interpreter():
     the interpret=True branch."""
     block_sizes = BlockSizes(block_n=128, block_v=256)
 
-    def both(h, w, b, c, p, ids, g):
-        rows, _, _ = pallas_forward(h, w, b, c, p, ids, compute_counts=True,
+    def both(h, w, ids, b, c, p, g):
+        rows, _, _ = pallas_forward(h, w, ids, b, c, p, compute_counts=True,
                                                block_sizes=block_sizes)
-        return rows, pallas_backward(h, w, b, c, p, ids, g, block_sizes=block_sizes)
+        return rows, pallas_backward(h, w, ids, b, c, p, g, block_sizes=block_sizes)
 
-    args = (sds((300, 40)), sds((700, 40)), sds((700,)), sds((700,)), sds((700,)),
-            sds((300, 4), jnp.int32), sds((300,)))
+    args = (sds((300, 40)), sds((700, 40)), sds((300, 4), jnp.int32), sds((700,)), sds((700,)),
+            sds((700,)), sds((300,)))
     cpu_text = jax.jit(both).lower(*args).as_text()
     assert TPU_CALL not in cpu_text
     assert exported_text(both, *args).count(TPU_CALL) == 3

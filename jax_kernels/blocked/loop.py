@@ -40,7 +40,7 @@ from jax_kernels.positives import accumulation_dtype
 class _Table:
     """The operands every tile reads: `h` in the accumulation dtype, the table and its `[V]` rows."""
 
-    def __init__(self, hidden, item_weight, bias, class_weight, pos_weight, ids, block_v, loss=None,
+    def __init__(self, hidden, item_weight, ids, bias, class_weight, pos_weight, block_v, loss=None,
                  cpu_kernel=True):
         self.acc = accumulation_dtype(hidden.dtype)
         self.loss = loss
@@ -138,12 +138,12 @@ def _counts(negatives_above_zero, p: _Positives):
     return jnp.stack([negatives_above_zero + hits, hits])
 
 
-def blocked_forward(hidden, item_weight, bias, class_weight, pos_weight, ids, *, block_v: int, compute_counts: bool,
+def blocked_forward(hidden, item_weight, ids, bias, class_weight, pos_weight, *, block_v: int, compute_counts: bool,
                     loss=None, cpu_kernel: bool = True):
     """Returns `(rows [N], counts [2, N] float32 or None)`: the rows in the accumulation dtype, and
     the predicted positives and hits (positives with z > 0) per row. `ids`: `positives.positive_ids`.
     `cpu_kernel`: whether the tiles may run `negative_tile`'s C kernel on the CPU (core.CutBCEConfig)."""
-    t = _Table(hidden, item_weight, bias, class_weight, pos_weight, ids, block_v, loss, cpu_kernel)
+    t = _Table(hidden, item_weight, ids, bias, class_weight, pos_weight, block_v, loss, cpu_kernel)
     n = hidden.shape[0]
 
     def body(j, carry):
@@ -159,7 +159,7 @@ def blocked_forward(hidden, item_weight, bias, class_weight, pos_weight, ids, *,
     return rows + (rows_error + p.rows()), (_counts(above_zero, p) if compute_counts else None)
 
 
-def blocked_value_and_grad(hidden, item_weight, bias, class_weight, pos_weight, ids, g, *, block_v: int,
+def blocked_value_and_grad(hidden, item_weight, ids, bias, class_weight, pos_weight, g, *, block_v: int,
                            compute_counts: bool, loss=None, cpu_kernel: bool = True):
     """Forward and backward in one loop, for an upstream gradient `g [N]` known before the forward.
 
@@ -168,7 +168,7 @@ def blocked_value_and_grad(hidden, item_weight, bias, class_weight, pos_weight, 
     three matmuls per tile instead of the four of forward + backward. Returns
     `(rows, counts or None, d_hidden, d_item_weight, d_bias or None)` in the accumulation dtype.
     """
-    t = _Table(hidden, item_weight, bias, class_weight, pos_weight, ids, block_v, loss, cpu_kernel)
+    t = _Table(hidden, item_weight, ids, bias, class_weight, pos_weight, block_v, loss, cpu_kernel)
     g = g.astype(t.acc)
     n = hidden.shape[0]
 
@@ -188,11 +188,11 @@ def blocked_value_and_grad(hidden, item_weight, bias, class_weight, pos_weight, 
     return (rows + (rows_error + p.rows()), counts, *p.add_grads(grads, t, g))
 
 
-def blocked_backward(hidden, item_weight, bias, class_weight, pos_weight, ids, g, *, block_v: int, loss=None,
+def blocked_backward(hidden, item_weight, ids, bias, class_weight, pos_weight, g, *, block_v: int, loss=None,
                      cpu_kernel: bool = True):
     """Gradients of `sum_n g[n] rows[n]`: `(d_hidden [N, D], d_item_weight [V, D], d_bias [V] or None)`
     in the accumulation dtype."""
-    t = _Table(hidden, item_weight, bias, class_weight, pos_weight, ids, block_v, loss, cpu_kernel)
+    t = _Table(hidden, item_weight, ids, bias, class_weight, pos_weight, block_v, loss, cpu_kernel)
     g = g.astype(t.acc)
 
     def body(j, grads):

@@ -24,7 +24,7 @@ def _spec(x):
     return None if x is None else ArraySpec(tuple(x.shape), jnp.dtype(x.dtype).name)
 
 
-def _check_inputs(hidden, item_weight, bias, class_weight, pos_weight, ids):
+def _check_inputs(hidden, item_weight, ids, bias, class_weight, pos_weight):
     """The launchers run on their own too (tests, benchmarks): the entries' rules (`shapes`), plus
     what the kernels add: one dtype of `KERNEL_DTYPES` for hidden and the table, and `[N, D]` hidden."""
     for name, x in (("hidden", hidden), ("item_weight", item_weight)):
@@ -58,10 +58,10 @@ def _items_in_lanes(d):
     return d % LANES != 0
 
 
-def _prepare(hidden, item_weight, bias, class_weight, pos_weight, ids, block_sizes, loss):
+def _prepare(hidden, item_weight, ids, bias, class_weight, pos_weight, block_sizes, loss):
     """Pick and clip the tiles, pad hidden rows (zeros) and ids (-1) to a tile multiple, shape the
     row vectors. Returns `(operands, static)`: the kernels' inputs in order and the options."""
-    _check_inputs(hidden, item_weight, bias, class_weight, pos_weight, ids)
+    _check_inputs(hidden, item_weight, ids, bias, class_weight, pos_weight)
     n, d = hidden.shape
     v = item_weight.shape[0]
     num_slots = ids.shape[1]
@@ -84,10 +84,10 @@ def _prepare(hidden, item_weight, bias, class_weight, pos_weight, ids, block_siz
 def pallas_forward(
     hidden: jax.Array,
     item_weight: jax.Array,
+    ids: jax.Array,
     bias: jax.Array | None,
     class_weight: jax.Array | None,
     pos_weight: jax.Array | None,
-    ids: jax.Array,
     *,
     compute_counts: bool,
     block_sizes: BlockSizes | None = None,
@@ -118,7 +118,7 @@ def pallas_forward(
         ValueError: for inconsistent shapes.
     """
     n = hidden.shape[0]
-    operands, static = _prepare(hidden, item_weight, bias, class_weight, pos_weight, ids,
+    operands, static = _prepare(hidden, item_weight, ids, bias, class_weight, pos_weight,
                                 block_sizes, loss)
     call = functools.partial(forward_call, compute_counts=compute_counts, **static)
     return _summed_rows(on_platform(call, *operands), n, compute_counts, static)
@@ -127,10 +127,10 @@ def pallas_forward(
 def pallas_backward(
     hidden: jax.Array,
     item_weight: jax.Array,
+    ids: jax.Array,
     bias: jax.Array | None,
     class_weight: jax.Array | None,
     pos_weight: jax.Array | None,
-    ids: jax.Array,
     g: jax.Array,
     *,
     block_sizes: BlockSizes | None = None,
@@ -143,7 +143,7 @@ def pallas_backward(
     and d_bias.
 
     Args:
-        hidden, item_weight, bias, class_weight, pos_weight, ids: as in `pallas_forward`.
+        hidden, item_weight, ids, bias, class_weight, pos_weight: as in `pallas_forward`.
         g: `[N]` upstream gradient of rows (cast to float32).
         block_sizes: tiles and VMEM limit; None derives them from the chip.
         loss: as in `pallas_forward` (dz / g is its `term'`, signed and weighted).
@@ -157,7 +157,7 @@ def pallas_backward(
         ValueError: for inconsistent shapes.
     """
     _check_g(g, hidden.shape[0])
-    operands, static = _prepare(hidden, item_weight, bias, class_weight, pos_weight, ids,
+    operands, static = _prepare(hidden, item_weight, ids, bias, class_weight, pos_weight,
                                 block_sizes, loss)
     acc = on_platform(functools.partial(d_hidden_call, **static), *operands)
     return (_times_g(g, acc, hidden.shape[0]),
@@ -167,10 +167,10 @@ def pallas_backward(
 def pallas_value_and_grad(
     hidden: jax.Array,
     item_weight: jax.Array,
+    ids: jax.Array,
     bias: jax.Array | None,
     class_weight: jax.Array | None,
     pos_weight: jax.Array | None,
-    ids: jax.Array,
     g: jax.Array,
     *,
     compute_counts: bool,
@@ -186,7 +186,7 @@ def pallas_value_and_grad(
     (one per token tile) are saved.
 
     Args:
-        hidden, item_weight, bias, class_weight, pos_weight, ids, compute_counts, loss: as in
+        hidden, item_weight, ids, bias, class_weight, pos_weight, compute_counts, loss: as in
             `pallas_forward`.
         g: `[N]` upstream gradient of rows (cast to float32).
         block_sizes: tiles and VMEM limit; None derives them from the chip.
@@ -201,7 +201,7 @@ def pallas_value_and_grad(
     """
     n = hidden.shape[0]
     _check_g(g, n)
-    operands, static = _prepare(hidden, item_weight, bias, class_weight, pos_weight, ids,
+    operands, static = _prepare(hidden, item_weight, ids, bias, class_weight, pos_weight,
                                 block_sizes, loss)
     call = functools.partial(d_hidden_call, with_rows=True, compute_counts=compute_counts,
                              **static)
