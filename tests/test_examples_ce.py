@@ -131,3 +131,32 @@ def test_bad_ce_flag_combinations_exit_2_with_one_line(capsys, argv, message):
     (line,) = [line for line in err.splitlines() if line.startswith("examples/train.py: error:")]
     assert re.search(message, line), err
 
+
+
+TINY = ["--dataset", "synthetic", "--synthetic-items", "300", "--synthetic-users", "64", "--max-len", "10",
+        "--k", "3", "--dim", "16", "--num-layers", "1", "--num-heads", "2", "--batch-size", "16"]
+
+
+def test_step_cost_times_each_loss_beside_a_free_step(capsys):
+    """examples/step_cost.py (examples/RESULTS.md's step costs): every loss and 'free' timed, interleaved."""
+    from examples import step_cost
+
+    cfg = tiny_config(Path("unused"), batch_size=16, loss="cutbce")
+    times = step_cost.step_costs(cfg, ["cutbce", "ce", "sampled"], rounds=2)
+    assert list(times) == ["free", "cutbce", "ce", "sampled"]
+    assert all(len(seconds) == 2 and min(seconds) > 0 for seconds in times.values())
+    assert step_cost.main(TINY + ["--rounds", "1", "--losses", "ce"]) == 0
+    out = capsys.readouterr().out
+    assert "free" in out and re.search(r"ce .* loss -?\d+\.\d% of the step", out), out
+
+
+@pytest.mark.parametrize("argv, message", [(["--losses", "ce,softmax"], "--losses takes names of"),
+                                           (["--rounds", "0"], "--rounds must be >= 1"),
+                                           (["--losses", "ce", "--pos-weight", "2"], "--loss ce has no positive")])
+def test_step_cost_bad_flags_exit_2(capsys, argv, message):
+    from examples import step_cost
+
+    with pytest.raises(SystemExit) as exit_info:
+        step_cost.main(TINY + argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err and "Traceback" not in err, err
