@@ -11,17 +11,20 @@ math is `branch_math.py`'s, here only weighted, masked and summed.
     grad(z, cw, g, out, loss)        -> writes dz into `out`
     counts(z)                  -> #{v : z > 0} per row (metrics)
 
-Plain float32 tiles on the CPU run one of three candidates (`TILES`): the C kernel
-`jax_kernels/neutral/cpu_tile.c` (built once per machine, one pass that may write dz over z:
-`writes_grad_in_place`), the `torch.compile`d version or the eager twin, whichever the first use on
-the machine timed fastest (`_measured_cpu_tile`, `jax_kernels/neutral/tile_choice.py`; `TORCH_CUTBCE_TILE`
-forces one). Other float32 tiles (CUDA, any other `Loss`) run the `torch.compile`d version (one vectorized
-loop per function) with log1p as a polynomial (`branch_math.log1p_tail`, 4e-9 relative: Sleef's
-log1p costs about 4 exps); everything else runs the eager twin (float64, a side of length 1,
-`TORCH_CUTBCE_NO_COMPILE=1`, no compiler). Rows are summed exactly at any width (`_row_sum`,
-`_eager_weighted_sum`). Why each choice, with timings: benchmarks/NOTES.md sections 1, 7 and 12.
-Each slow first-call step says so before it starts, as a `TileCompileWarning` (docs/install.md, 'What the
-first call says').
+Plain float32 tiles on the CPU run one of three candidates (`TILES`): by default the C kernel
+`jax_kernels/neutral/cpu_tile.c` (built once per machine, under a second; one pass that may write dz
+over z: `writes_grad_in_place`), with nothing timed and nothing compiled by torch.compile in the
+process. The `torch.compile`d version or the eager twin runs instead where `TORCH_CUTBCE_TILE` says
+so, where `python -m torch_cutbce.tune_tiles` measured it faster over the whole forward + backward
+(`_tuned_cpu_tile`, `jax_kernels/neutral/tile_choice.py`), or where the kernel cannot be built
+(torch.compile's tile with a C++ compiler, else eager). Other float32 tiles (CUDA, any other `Loss`)
+run the `torch.compile`d version (one vectorized loop per function) with log1p as a polynomial
+(`branch_math.log1p_tail`, 4e-9 relative: Sleef's log1p costs about 4 exps); everything else runs the
+eager twin (float64, a side of length 1, `TORCH_CUTBCE_NO_COMPILE=1`, no compiler). Rows are summed
+exactly at any width (`_row_sum`, `_eager_weighted_sum`). Why each choice, with timings:
+benchmarks/NOTES.md sections 1, 7 and 12, docs/performance.md ('First call and tile choice').
+Each slow first-call step says so before it starts, as a `TileCompileWarning` naming the caller's line
+(docs/install.md, 'What the first call says').
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import functools
 import os
 import shutil
 import time
-import warnings
+from typing import Callable
 
 import torch
 
@@ -193,8 +196,7 @@ def _cpu_library():
         else:
             _no_cxx_said = True
             instead = f", and {_NO_CXX}"
-        warnings.warn(f"torch_cutbce: the CPU tile kernel could not be built ({error}){instead}",
-                      TileCompileWarning, stacklevel=2)
+        _warn(f"torch_cutbce: the CPU tile kernel could not be built ({error}){instead}")
         return None
 
 
@@ -247,7 +249,7 @@ def _address(x: torch.Tensor | None):
 
 # -- which tile runs ------------------------------------------------------------------------------------
 
-TILES = ("c_kernel", "compiled", "eager")  # the candidates for plain float32 CPU tiles
+TILES = ("c_kernel", "compiled", "eager")  # the candidates for plain float32 CPU tiles, the default first
 
 
 def _compiling_allowed() -> bool:
@@ -255,50 +257,72 @@ def _compiling_allowed() -> bool:
 
 
 def _plain_cpu_tile() -> str:
-    """The tile for plain float32 CPU tiles: `TORCH_CUTBCE_TILE` if it names one that is available,
-    else the candidate measured fastest on this machine (`jax_kernels/neutral/tile_choice.py`), else
-    torch.compile's tile without the C kernel, the eager one without a compiler. Env read (and a bad
-    value refused) per call, also when builds are off."""
+    """The tile for plain float32 CPU tiles: `TORCH_CUTBCE_TILE` if it names one that is available;
+    else, where the C kernel builds, the tile the tuning command chose (`_tuned_cpu_tile`) or the C
+    kernel; else torch.compile's tile, or the eager one without a C++ compiler. Nothing is timed here.
+    Env read (and a bad value refused) per call, also when builds are off."""
     forced = tile_choice.forced(TILES)
     if cpu_tile_build.disabled():
         return "eager"
     if forced == "eager" or (forced == "compiled" and _cpu_compiling_allowed()):
         return forced  # without building the C kernel
-    library = _cpu_library()
-    if forced == "c_kernel" and library:
-        return forced
-    if library is None:
+    if _cpu_library() is None:
         return "compiled" if _cpu_compiling_allowed() else "eager"
-    return _measured_cpu_tile().name
+    tuned = None if forced else _tuned_cpu_tile()  # forced: the C kernel, or 'compiled' where it cannot compile
+    if tuned is not None and (tuned.name != "compiled" or _cpu_compiling_allowed()):
+        return tuned.name
+    return tile_choice.DEFAULT
 
 
 @functools.cache
-def _measured_cpu_tile() -> tile_choice.Choice:
-    """The fastest candidate, measured once per machine and torch version (cached beside the build)."""
-    names = [tile for tile in TILES if tile != "compiled" or _cpu_compiling_allowed()]
-    # The compile is part of the choice: said here, not again by _run_compiled in this process.
-    cost = "this compiles torch.compile's tile for the comparison: 10-60 s" if "compiled" in names else None
-    return tile_choice.announced_choice(cpu_tile_build.library_path(_cpu_library()), "torch", torch.__version__,
-                                        {tile: (lambda tile=tile: _time_candidate(tile)) for tile in names},
-                                        TILES, TileCompileWarning, cost)
+def _tuned_cpu_tile() -> tile_choice.Choice | None:
+    """The choice `python -m torch_cutbce.tune_tiles` cached for this kernel build and torch version
+    (read once per process), or None: the C kernel."""
+    return tile_choice.cached(tuned_path(), TILES)
 
 
-def _time_candidate(tile: str) -> float:
-    """Median ms of rows_grad on one `tile_choice.MEASURED_TILE` tile with `tile`, as the engines call it."""
-    z = torch.randn(tile_choice.MEASURED_TILE, generator=torch.Generator().manual_seed(0)) * 4
-    g, out = torch.full((z.shape[0], 1), 1e-3), torch.empty_like(z)
+def tuned_path():
+    """Where the tuned choice of this machine's kernel build and torch version is kept (the kernel
+    built first, said as its build)."""
+    return tile_choice.cache_path(cpu_tile_build.library_path(_cpu_library()), "torch", torch.__version__)
 
-    def run():
-        if tile == "c_kernel":
-            return _run_cpu_kernel("rows_grad", z, None, g, z)  # in place, as the engines call it
-        if tile == "compiled":
-            result = _run_compiled("rows_grad", z, None, g, out, announce=False)
-            if _compile_failed:
-                raise RuntimeError("torch.compile failed")
-            return result
-        return _EAGER["rows_grad"](z, None, g, out)
 
-    return tile_choice.median_ms(run)
+def available_tiles() -> tuple[str, ...]:
+    """The candidates that can run here: the C kernel where it builds, torch.compile's tile where it
+    can compile, the eager one always."""
+    if cpu_tile_build.disabled():
+        return ("eager",)
+    return tuple(tile for tile in TILES if (tile != "c_kernel" or _cpu_library() is not None)
+                 and (tile != "compiled" or _cpu_compiling_allowed()))
+
+
+def tuning_runs(num_positions: int = 4096, num_items: int = 32768, hidden_size: int = 64, num_targets: int = 8,
+                tiles: tuple[str, ...] | None = None, seed: int = 0) -> dict[str, Callable[[], None]]:
+    """For each of `tiles` (default: `available_tiles()`), one forward + backward of the whole native
+    loss ('mean', float32, the CPU) with `TORCH_CUTBCE_TILE` set to it for the call: what the tuning
+    command times. A run raises where its tile did not run (torch.compile failed)."""
+    from torch_cutbce.functional import cut_bce_with_logits  # the entry imports this module
+
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(num_positions, hidden_size, generator=generator).requires_grad_()
+    items = (torch.randn(num_items, hidden_size, generator=generator) / hidden_size ** 0.5).requires_grad_()
+    targets = torch.randint(0, num_items, (num_positions, num_targets), generator=generator)
+
+    def run(tile: str) -> None:
+        previous = os.environ.get(tile_choice.ENV)
+        os.environ[tile_choice.ENV] = tile
+        try:
+            hidden.grad = items.grad = None
+            cut_bce_with_logits(hidden, items, targets, backend="native").backward()
+            if _plain_cpu_tile() != tile:
+                raise RuntimeError(f"the {tile!r} tile did not run here")
+        finally:
+            if previous is None:
+                os.environ.pop(tile_choice.ENV, None)
+            else:
+                os.environ[tile_choice.ENV] = previous
+
+    return {tile: functools.partial(run, tile) for tile in (tiles or available_tiles())}
 
 
 def _tile_for(name: str, z: torch.Tensor) -> str:
@@ -325,21 +349,25 @@ def _compiled(name: str, threads: int, form=None):
 
 
 class TileCompileWarning(UserWarning):
-    """torch_cutbce's first-call messages: before the CPU kernel is built and before the CPU tiles
-    are timed (once per machine, with the tile then chosen), and before the plain or the other-`Loss` tile
-    functions are first compiled in a process (once per process each)."""
+    """torch_cutbce's first-call messages, each naming the caller's line: before the CPU kernel is
+    built (once per machine), and before the plain or the other-`Loss` tile functions are first
+    compiled by torch.compile in a process (once per process each; plain float32 CPU tiles only
+    where `TORCH_CUTBCE_TILE` or the tuning command chose torch.compile's tile, or the kernel cannot
+    be built)."""
+
+
+def _warn(message: str) -> None:
+    """`message` as a TileCompileWarning at the user's line (the first frame outside torch_cutbce,
+    jax_kernels and torch: the call of the loss, or of its backward)."""
+    cpu_tile_build.warn_at_caller(message, TileCompileWarning)
 
 
 def _announce_compile(name: str, z: torch.Tensor) -> None:
     what = "loss-option " if name.startswith("loss") else ""
     where = "CUDA (Triton)" if z.device.type == "cuda" else "the CPU"
-    warnings.warn(
-        f"torch_cutbce: compiling the float32 {what}tile functions for {where} with torch.compile, once per "
-        f"process: 10-60 s the first time on a machine, 5-20 s once inductor's on-disk cache holds them; "
-        f"TORCH_CUTBCE_NO_COMPILE=1 skips this (eager tiles, about 2x slower)",
-        TileCompileWarning,
-        stacklevel=5,
-    )
+    _warn(f"torch_cutbce: compiling the float32 {what}tile functions for {where} with torch.compile, once per "
+          f"process: 10-60 s the first time on a machine, 5-20 s once inductor's on-disk cache holds them; "
+          f"TORCH_CUTBCE_NO_COMPILE=1 skips this (eager tiles, about 2x slower)")
 
 
 @functools.lru_cache(maxsize=8)
@@ -355,7 +383,7 @@ def _can_compile(z: torch.Tensor) -> bool:
     if z.device.type == "cpu":
         if not _cxx_found() and not _no_cxx_said:
             _no_cxx_said = True
-            warnings.warn(f"torch_cutbce: {_NO_CXX}", TileCompileWarning, stacklevel=5)
+            _warn(f"torch_cutbce: {_NO_CXX}")
         return _cxx_found()
     if z.device.type == "cuda":
         from torch.utils._triton import has_triton
@@ -375,9 +403,9 @@ def _run(name: str, z: torch.Tensor, *args):
     return _EAGER[name](z, *args)
 
 
-def _run_compiled(name: str, z: torch.Tensor, *args, announce: bool = True):
+def _run_compiled(name: str, z: torch.Tensor, *args):
     """`name`'s compiled function; its family's (plain or other-`Loss`) first compile in the process is
-    said first (`announce`: False while the tiles are being timed, which says so itself)."""
+    said first."""
     global _compile_failed
     # One kernel per function, compiled once: dynamo guards on aliasing and on whether a small input
     # is a view, so a missing class weight becomes its own ones row (one multiply per element) and
@@ -393,7 +421,7 @@ def _run_compiled(name: str, z: torch.Tensor, *args, announce: bool = True):
     ]
     first = name not in _compile_seconds
     family = name.startswith("loss")
-    if announce and first and not any(key.startswith("loss") == family for key in _compile_seconds):
+    if first and not any(key.startswith("loss") == family for key in _compile_seconds):
         _announce_compile(name, z)
     start = time.perf_counter()
     try:
@@ -401,9 +429,8 @@ def _run_compiled(name: str, z: torch.Tensor, *args, announce: bool = True):
             out = _compiled(name, torch.get_num_threads(), form)(z, *compiled_args)
     except Exception as error:  # a missing compiler, an inductor bug: the eager twin is exact too
         _compile_failed = True
-        warnings.warn(f"torch_cutbce: torch.compile of the tile function failed ({error!r}); "
-                      f"using eager tiles from now on (set TORCH_CUTBCE_NO_COMPILE=1 to skip the attempt)",
-                      TileCompileWarning, stacklevel=2)
+        _warn(f"torch_cutbce: torch.compile of the tile function failed ({error!r}); "
+              f"using eager tiles from now on (set TORCH_CUTBCE_NO_COMPILE=1 to skip the attempt)")
         return _EAGER[name](z, *args)
     if first:
         _compile_seconds[name] = time.perf_counter() - start

@@ -11,10 +11,11 @@ with `w [bv]` the tile's column weight. `NegativeTile(loss, cpu_kernel)` has
 
 On the CPU, float32 plain BCE runs the C kernel `cpu_tile.c` through XLA's FFI: one pass over the
 tile that writes dz over z, where XLA:CPU's own fusions read the tile several times and make the
-row sums a slow reduction (benchmarks/NOTES.md section 7). Everywhere else (GPU, TPU lowering,
-float64, another `Loss`, the torch_xla bridge, no C++ compiler, TORCH_CUTBCE_NO_COMPILE=1, or
-TORCH_CUTBCE_TILE=xla, or where the jnp tile was timed faster on this machine: `_measured_tile`)
-the same math runs as jnp. Both sum a row of any width to a few roundings (the kernel through a
+row sums a slow reduction (benchmarks/NOTES.md section 7). Nothing is timed on the first call: the
+kernel runs wherever its FFI wrapper builds, unless `python -m torch_cutbce.tune_tiles --jax` measured
+the jnp tile faster over the whole forward + backward on this machine (`_tuned_tile`). Everywhere else
+(GPU, TPU lowering, float64, another `Loss`, the torch_xla bridge, no C++ compiler,
+TORCH_CUTBCE_NO_COMPILE=1, TORCH_CUTBCE_TILE=xla, or that tuned choice) the same math runs as jnp. Both sum a row of any width to a few roundings (the kernel through a
 double, jnp pairwise on the CPU: `_halving_row_sum`).
 """
 
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -38,8 +38,8 @@ def _ffi_registered() -> bool:
     try:
         lib = _ffi_library()
     except cpu_tile_build.BuildError as error:
-        warnings.warn(f"jax_kernels: the CPU tile kernel could not be built ({error}); using jnp tiles",
-                      tile_choice.TileChoiceWarning, stacklevel=2)
+        cpu_tile_build.warn_at_caller(f"jax_kernels: the CPU tile kernel could not be built ({error}); "
+                                      f"using jnp tiles", tile_choice.TileChoiceWarning)
         return False
     for name in cpu_tile_build.FFI_SYMBOLS:
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
@@ -51,32 +51,57 @@ TILES = ("c_kernel", "xla")  # TORCH_CUTBCE_TILE's values here; torch's 'compile
 
 def _kernel_chosen() -> bool:
     """Whether float32 CPU tiles run the C kernel: as TORCH_CUTBCE_TILE says (read at trace time),
-    else if it was timed faster than the jnp tile on this machine (once, cached beside the build)."""
+    else wherever the FFI wrapper builds, unless the tuning command chose the jnp tile here."""
     forced = tile_choice.forced(TILES + ("compiled", "eager"))
     if forced is not None:
         return forced == "c_kernel" and _ffi_registered()
-    return _ffi_registered() and _measured_tile().name == "c_kernel"
+    return _ffi_registered() and _tuned_tile() == "c_kernel"
 
 
 def _ffi_library():
     return cpu_tile_build.ffi_library(jax.ffi.include_dir(), tile_choice.TileChoiceWarning)
 
 
+def tuned_path():
+    """Where the tuned choice of this machine's FFI build and jax version is kept."""
+    return tile_choice.cache_path(cpu_tile_build.library_path(_ffi_library()), "jax", jax.__version__)
+
+
 @functools.cache
-def _measured_tile() -> tile_choice.Choice:
-    return tile_choice.announced_choice(cpu_tile_build.library_path(_ffi_library()), "jax", jax.__version__,
-                                        {tile: (lambda tile=tile: _time_candidate(tile)) for tile in TILES},
-                                        TILES, tile_choice.TileChoiceWarning)  # about a second: said after
+def _tuned_tile() -> str:
+    """The tile `python -m torch_cutbce.tune_tiles --jax` cached for this build and jax version (read
+    once per process), else the C kernel."""
+    choice = tile_choice.cached(tuned_path(), TILES)
+    return tile_choice.DEFAULT if choice is None else choice.name
 
 
-def _time_candidate(tile: str) -> float:
-    """Median ms of one jitted rows_grad of a `tile_choice.MEASURED_TILE` tile with `tile`."""
-    with jax.ensure_compile_time_eval():  # run now, also when called while a jit is tracing
-        rng = np.random.default_rng(0)
-        z = jnp.asarray(rng.standard_normal(tile_choice.MEASURED_TILE) * 4, jnp.float32)
-        w, g = jnp.ones(z.shape[1], jnp.float32), jnp.full(z.shape[0], 1e-3, jnp.float32)
-        run = jax.jit(_kernel_rows_grad if tile == "c_kernel" else _portable_rows_grad)
-        return tile_choice.median_ms(lambda: jax.block_until_ready(run(z, w, g)))
+def tuning_runs(num_positions: int = 4096, num_items: int = 32768, hidden_size: int = 64, num_targets: int = 8,
+                tiles: tuple[str, ...] = TILES, seed: int = 0) -> dict:
+    """For each of `tiles`, one jitted forward + backward of the whole blocked loss ('mean', float32,
+    the CPU), traced and compiled here with `TORCH_CUTBCE_TILE` set to it: what the tuning command times."""
+    from jax_kernels.api import cut_bce  # the entry imports this module
+
+    rng = np.random.default_rng(seed)
+    hidden = jnp.asarray(rng.standard_normal((num_positions, hidden_size)), jnp.float32)
+    items = jnp.asarray(rng.standard_normal((num_items, hidden_size)) / hidden_size ** 0.5, jnp.float32)
+    targets = jnp.asarray(rng.integers(0, num_items, (num_positions, num_targets)), jnp.int32)
+    previous, runs = os.environ.get(tile_choice.ENV), {}
+    try:
+        for tile in tiles:
+            os.environ[tile_choice.ENV] = tile
+            jax.clear_caches()  # the choice is read at trace time: nothing traced for another tile is reused
+            step = jax.jit(jax.value_and_grad(lambda h, e: cut_bce(h, e, targets, impl="blocked"), argnums=(0, 1)))
+            compiled = step.lower(hidden, items).compile()
+            if ("cutbce_" in compiled.as_text()) != (tile == "c_kernel"):
+                raise RuntimeError(f"the {tile!r} tile was not compiled in")
+            runs[tile] = functools.partial(lambda compiled: jax.block_until_ready(compiled(hidden, items)), compiled)
+    finally:
+        if previous is None:
+            os.environ.pop(tile_choice.ENV, None)
+        else:
+            os.environ[tile_choice.ENV] = previous
+        jax.clear_caches()
+    return runs
 
 
 def _threads() -> np.int32:

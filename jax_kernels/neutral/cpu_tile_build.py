@@ -5,8 +5,9 @@ for the CPU it runs on and cached, keyed by sources, flags, compiler and CPU; a 
 only if it matches its recorded SHA-256 and has its symbols, since a damaged library can kill the
 process inside dlopen. A build says so before it starts, as the caller's `warning` (once per
 machine; a cached library loads without a word). Any failure is a BuildError, which the callers turn
-into one warning and their portable tiles. Compiler, flags, cache and switches: docs/toolchain.md,
-'The CPU tile kernel's build'.
+into one warning and their portable tiles. Every warning of the CPU tiles goes through
+`warn_at_caller`, so it names the user's line, not one inside the library or the frameworks. Compiler,
+flags, cache and switches: docs/toolchain.md, 'The CPU tile kernel's build'.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import warnings
 from dataclasses import dataclass
@@ -37,6 +39,49 @@ def flags(march: str | None = None) -> list[str]:
 
 class BuildError(RuntimeError):
     """The kernel could not be compiled or loaded here (no compiler, an unsupported flag...)."""
+
+
+# The folders whose frames a warning skips: this library's two packages, and the frameworks that
+# call into them (torch's autograd and custom ops, jax's tracing). Found without importing them.
+_LIBRARY_FOLDERS = (str(_HERE.parent) + os.sep, str(_HERE.parent.parent / "torch_cutbce") + os.sep)
+_FRAMEWORKS = ("torch", "jax", "jaxlib", "torch_xla", "torch_tpu")
+
+
+def _inside(filename: str) -> bool:
+    """Whether a frame of `filename` belongs to this library or to a framework it is called through."""
+    folders = list(_LIBRARY_FOLDERS)
+    for name in _FRAMEWORKS:
+        module = sys.modules.get(name)
+        if getattr(module, "__file__", None):
+            folders.append(os.path.dirname(module.__file__) + os.sep)
+    return filename.startswith(tuple(folders))
+
+
+def _importlib_frame(frame) -> bool:
+    """The frames `warnings.warn` itself steps over when it counts `stacklevel` (CPython's rule)."""
+    filename = frame.f_code.co_filename
+    return "importlib" in filename and "_bootstrap" in filename
+
+
+def caller_stacklevel() -> int:
+    """The `stacklevel` for a `warnings.warn` made by the function calling this one that names the
+    first frame outside this library and its frameworks: the user's line that called the loss (or
+    its backward, or the jitted function being traced). Counted as `warnings.warn` counts (it skips
+    importlib's frames); the outermost frame where every frame is the library's."""
+    frame, level = sys._getframe(1), 1  # the function that will call warnings.warn: stacklevel 1
+    while _inside(frame.f_code.co_filename):
+        outer = frame.f_back
+        while outer is not None and _importlib_frame(outer):
+            outer = outer.f_back
+        if outer is None:
+            break
+        frame, level = outer, level + 1
+    return level
+
+
+def warn_at_caller(message: str, category: type[Warning]) -> None:
+    """`warnings.warn(message, category)` attributed to the caller's line (`caller_stacklevel`)."""
+    warnings.warn(message, category, stacklevel=caller_stacklevel())
 
 
 def disabled() -> bool:
@@ -129,7 +174,7 @@ class _Build:
             why = (f"building {self.what} for this machine ({command}, {self.cost}), once per machine, "
                    f"into {folder} (TORCH_CUTBCE_CACHE_DIR); TORCH_CUTBCE_NO_COMPILE=1 skips every build "
                    f"and compile (slower tiles)")
-        warnings.warn(f"{self.prefix}: {why}", self.warning, stacklevel=2)
+        warn_at_caller(f"{self.prefix}: {why}", self.warning)
 
 
 def _build(source: str, compiler: str, extra_flags: list[str], extra_sources=(), key_extra: str = "",

@@ -1,10 +1,13 @@
-"""Which float32 CPU tile runs on this machine: the candidate measured fastest, once per machine.
+"""Which float32 CPU tile runs on this machine: the C kernel, unless the tuning command measured another faster.
 
-The C kernel is not faster everywhere (a compiler that vectorizes it badly, a CPU it was not tuned
-for), so its first use times each candidate on one small tile and keeps the fastest. The choice is
-cached beside the kernel's build (`<library>.<label>.json`, so it is keyed as the build is: sources,
-flags, compiler, CPU) and reused by every later process. `TORCH_CUTBCE_TILE` forces a candidate
-(`auto`, the default, measures). Framework-neutral: the callers pass the candidates as functions.
+By default the C kernel runs wherever it builds: the first call times nothing and compiles nothing
+beyond the kernel's own build. Choosing another tile is an explicit, repeatable command,
+`python -m torch_cutbce.tune_tiles` (docs/performance.md, 'First call and tile choice'): it runs
+the whole forward + backward with each candidate, in interleaved rounds (`interleaved_medians`),
+keeps the fastest by the medians (`fastest`) and writes the choice beside the kernel's build
+(`cache_path`: keyed as the build is, by sources, flags, compiler and CPU, and by the framework's
+version), where every later process reads it (`cached`). `TORCH_CUTBCE_TILE` forces a candidate.
+Framework-neutral: the callers pass the candidates as functions.
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ import logging
 import os
 import statistics
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -22,22 +24,26 @@ from typing import Callable
 from jax_kernels.neutral import cpu_tile_build
 
 ENV = "TORCH_CUTBCE_TILE"
-MEASURED_TILE = (1024, 1024)  # the [N, block_v] tile each candidate's rows_grad is timed on
+DEFAULT = "c_kernel"  # wherever it builds, unless a tuned choice says otherwise
+ROUNDS = 5
+# What a cache file must say it measured to be read: files of the earlier timing on the first call
+# (one [1024, 1024] tile, one sample, `<library>.<framework>-<version>.json`) are never read.
+METHOD = "forward+backward, interleaved rounds, medians"
+TUNE_COMMAND = "python -m torch_cutbce.tune_tiles"
 logger = logging.getLogger("torch_cutbce.tiles")
 
 
 class TileChoiceWarning(UserWarning):
-    """jax_kernels' first-call messages, each once per machine: before its kernel is built, before
-    the tiles are timed, and the tile then chosen (torch says the same as its TileCompileWarning)."""
+    """jax_kernels' first-call message: before its kernel is built, once per machine (torch says
+    the same as its TileCompileWarning)."""
 
 
 @dataclass(frozen=True)
 class Choice:
-    """`name` the candidate in use; `why` says how it was chosen (for the log and the warning)."""
+    """`name` the candidate in use; `why` says how it was chosen (for the log)."""
 
     name: str
     why: str
-    measured_now: bool = False
 
 
 def forced(choices: tuple[str, ...]) -> str | None:
@@ -56,8 +62,7 @@ def forced(choices: tuple[str, ...]) -> str | None:
 
 # A later-listed candidate must be this much faster than an earlier one to be chosen. The callers
 # list them by what they cost beyond their time (the C kernel: nothing per process; torch.compile's
-# tile: a compile in every process), and timings on a shared machine differ by about this much run
-# to run: a near tie then keeps the cheaper candidate instead of a coin flip.
+# tile: a compile in every process): a near tie keeps the cheaper candidate instead of a coin flip.
 MARGIN = 0.10
 
 
@@ -70,66 +75,69 @@ def fastest(timings_ms: dict[str, float]) -> str:
     return best
 
 
-def median_ms(run: Callable[[], object], repeats: int = 5) -> float:
-    """Median wall time of `run()` in ms, after one untimed call (a compile, a cold cache)."""
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
-def cached_choice(path: Path, candidates: dict[str, Callable[[], float]],
-                  before_measuring: Callable[[], None] = lambda: None) -> Choice:
-    """The candidate cached in `path` if it is still one of `candidates`, else each candidate's
-    measurement (a function returning ms; one that raises drops out), the fastest written to `path`;
-    `before_measuring()` runs first (to say so). A cache that cannot be written is only logged: the
-    choice stands for this process."""
-    try:
-        cached = json.loads(path.read_text())
-        if cached.get("choice") in candidates:
-            return Choice(cached["choice"], f"cached in {path} ({_timings_text(cached['timings_ms'])})")
-    except (OSError, ValueError, KeyError, AttributeError, TypeError):
-        pass  # missing or unreadable: measure again
-    before_measuring()
-    timings_ms = {}
-    for name, measure in candidates.items():
+def interleaved_medians(runs: dict[str, Callable[[], object]], rounds: int = ROUNDS,
+                        clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    """Each candidate's median ms over `rounds` rounds, each round running every candidate once in
+    turn (load from other jobs falls on all of them alike), after one untimed run of each (its
+    compile, cold caches). A candidate that raises drops out."""
+    live = {}
+    for name, run in runs.items():
         try:
-            timings_ms[name] = float(measure())
+            run()
+            live[name] = run
         except Exception as error:  # a candidate that fails here is not a candidate
             logger.debug("tile candidate %s failed: %r", name, error)
-    name = fastest(timings_ms)
+    times: dict[str, list[float]] = {name: [] for name in live}
+    for _ in range(rounds):
+        for name, run in list(live.items()):
+            start = clock()
+            try:
+                run()
+            except Exception as error:
+                logger.debug("tile candidate %s failed: %r", name, error)
+                del live[name], times[name]
+                continue
+            times[name].append((clock() - start) * 1e3)
+    return {name: statistics.median(ms) for name, ms in times.items() if ms}
+
+
+def cache_path(library: Path, framework: str, version: str) -> Path:
+    """Where `framework`'s tuned choice for the kernel `library` is kept: beside it, so it is keyed as
+    the build is (and a rebuilt kernel, another CPU or compiler, starts from the default again)."""
+    return library.with_name(f"{library.name}.{framework}-{version}.tuned.json")
+
+
+def cached(path: Path, candidates: tuple[str, ...]) -> Choice | None:
+    """The choice the tuning command wrote to `path`, if it is one of `candidates`; None where there
+    is none (or it is unreadable, of another method, or names a candidate that is gone)."""
     try:
-        cpu_tile_build.write_atomically(path, json.dumps({"choice": name, "timings_ms": timings_ms}), path.parent)
-    except OSError as error:
-        logger.debug("cannot cache the tile choice in %s: %r", path, error)
-    return Choice(name, f"measured now ({_timings_text(timings_ms)}), cached in {path}", measured_now=True)
+        record = json.loads(path.read_text())
+        if record.get("method") == METHOD and record.get("choice") in candidates:
+            return Choice(record["choice"], f"tuned in {path} ({_timings_text(record['timings_ms'])})")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, AttributeError, TypeError) as error:
+        logger.debug("ignoring the tile choice in %s: %r", path, error)
+    return None
 
 
-def announced_choice(library: Path, framework: str, version: str, candidates: dict[str, Callable[[], float]],
-                     tiles: tuple[str, ...], warning: type[Warning], cost: str | None = None) -> Choice:
-    """`cached_choice` for `framework`'s tiles, cached beside the kernel's `library` as
-    `<library>.<framework>-<version>.json`. Measuring (once per machine) is said as `warning` with
-    its result, and before it starts where it is slow (`cost`: how long and why; None: about a
-    second, not said first); the choice is on the log in each process. `tiles`: what `ENV` may name."""
-    prefix = "torch_cutbce" if framework == "torch" else "jax_kernels"
+def tune(path: Path, runs: dict[str, Callable[[], object]], rounds: int = ROUNDS, **details) -> dict:
+    """Measures `runs` (`interleaved_medians`), writes the fastest (`fastest`) to `path` with the
+    timings and `details` (the shape, threads...), and returns that record.
 
-    def before_measuring():
-        if cost is not None:
-            warnings.warn(f"{prefix}: timing the float32 CPU tiles ({', '.join(candidates)}) to keep the fastest, "
-                          f"once per machine ({cost}); {ENV}={tiles[0]} skips it", warning, stacklevel=4)
-
-    choice = cached_choice(library.with_name(f"{library.name}.{framework}-{version}.json"), candidates,
-                           before_measuring)
-    message = (f"{prefix}: float32 CPU tiles use '{choice.name}': {choice.why}; "
-               f"{ENV} forces one of {tiles}")
-    logger.info(message)
-    if choice.measured_now:
-        warnings.warn(message, warning, stacklevel=3)
-    return choice
+    Raises:
+      RuntimeError: every candidate failed.
+      OSError: the cache cannot be written.
+    """
+    timings_ms = interleaved_medians(runs, rounds)
+    if not timings_ms:
+        raise RuntimeError(f"no tile candidate ran ({', '.join(runs)})")
+    record = {"choice": fastest(timings_ms), "method": METHOD, "timings_ms": timings_ms, "rounds": rounds,
+              "when": time.strftime("%Y-%m-%d %H:%M:%S"), **details}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cpu_tile_build.write_atomically(path, json.dumps(record, indent=1) + "\n", path.parent)
+    return record
 
 
 def _timings_text(timings_ms: dict[str, float]) -> str:
-    return ", ".join(f"{name} {ms:.3g} ms" for name, ms in timings_ms.items())
+    return ", ".join(f"{name} {ms:.4g} ms" for name, ms in timings_ms.items())
