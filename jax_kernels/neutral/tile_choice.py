@@ -113,7 +113,9 @@ def cached(path: Path, candidates: tuple[str, ...]) -> Choice | None:
     try:
         record = json.loads(path.read_text())
         if record.get("method") == METHOD and record.get("choice") in candidates:
-            return Choice(record["choice"], f"tuned in {path} ({_timings_text(record['timings_ms'])})")
+            choice = Choice(record["choice"], f"tuned in {path} ({_timings_text(record['timings_ms'])})")
+            logger.debug("float32 CPU tiles use '%s': %s", choice.name, choice.why)
+            return choice
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, AttributeError, TypeError) as error:

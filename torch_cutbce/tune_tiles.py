@@ -1,0 +1,146 @@
+"""Choose this machine's float32 CPU tile by measuring it: `python -m torch_cutbce.tune_tiles`.
+
+The library runs the C kernel (`jax_kernels/neutral/cpu_tile.c`) for plain float32 CPU tiles
+wherever it builds, and times nothing on a first call. This command is the one place another tile
+can be chosen: it runs the whole native forward + backward ('mean', float32; N 4096, V 32,768,
+D 64, L 8 unless told otherwise) once with each candidate tile (the C kernel, torch.compile's tile,
+which compiles here, 10-60 s, and the eager one), then `--rounds` rounds in which the candidates
+take turns, and keeps the fastest by the medians (another tile must beat the C kernel by more than
+10%: `tile_choice.MARGIN`). The choice is written beside the kernel's build
+(`<library>.torch-<torch version>.tuned.json` in `TORCH_CUTBCE_CACHE_DIR`), where every later process
+reads it; a rebuilt kernel, another CPU or another torch version starts from the C kernel again.
+`--framework jax` does the same for JAX's blocked loop (the FFI kernel against the jnp tile, jitted),
+`--framework both` for both; `--dry-run` measures without writing; `--forget` deletes the choices.
+`TORCH_CUTBCE_TILE` still forces a tile in any process. Docs: docs/performance.md, 'First call and
+tile choice'.
+
+    python -m torch_cutbce.tune_tiles                     # torch, about 1-2 min on 2 cores
+    python -m torch_cutbce.tune_tiles --framework both --rounds 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+from jax_kernels.neutral import cpu_tile_build, tile_choice
+
+
+def _say(caught) -> None:
+    for warning in caught:
+        print(f"  ({warning.message})")
+
+
+def _torch_runs(args):
+    import torch
+
+    from torch_cutbce import fused_tile
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        library = fused_tile._cpu_library()
+    _say(caught)
+    if library is None:
+        return None, f"the C kernel cannot be built here: float32 CPU tiles run '{fused_tile._plain_cpu_tile()}'"
+    tiles = tuple(tile for tile in (args.tiles or fused_tile.available_tiles()) if tile in fused_tile.TILES)
+    if not tiles:
+        return None, f"none of {', '.join(args.tiles)} is a torch tile ({', '.join(fused_tile.TILES)})"
+    if "compiled" in tiles:
+        print("  torch.compile's tile compiles in the first run of its candidate: 10-60 s")
+    runs = fused_tile.tuning_runs(args.num_positions, args.num_items, args.hidden_size, args.num_targets, tiles)
+    details = {"framework": "torch", "version": torch.__version__, "threads": torch.get_num_threads()}
+    return (fused_tile.tuned_path(), runs, details, fused_tile._tuned_cpu_tile.cache_clear), None
+
+
+def _jax_runs(args):
+    try:
+        import jax
+    except ImportError:
+        return None, "jax is not installed (pip install -e '.[jax]')"
+    from jax_kernels.blocked import negative_tile
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        registered = negative_tile._ffi_registered()
+    _say(caught)
+    if not registered:
+        return None, "the C kernel's FFI wrapper cannot be built here: float32 CPU tiles run jnp"
+    tiles = tuple(tile for tile in (args.tiles or negative_tile.TILES) if tile in negative_tile.TILES)
+    if not tiles:
+        return None, f"none of {', '.join(args.tiles)} is a JAX tile ({', '.join(negative_tile.TILES)})"
+    runs = negative_tile.tuning_runs(args.num_positions, args.num_items, args.hidden_size, args.num_targets, tiles)
+    details = {"framework": "jax", "version": jax.__version__, "threads": int(negative_tile._threads())}
+    return (negative_tile.tuned_path(), runs, details, negative_tile._tuned_tile.cache_clear), None
+
+
+def _tune(framework: str, args) -> bool:
+    print(f"{framework}: N {args.num_positions}, V {args.num_items}, D {args.hidden_size}, L {args.num_targets}, "
+          f"float32, 'mean', forward + backward")
+    prepared, why_not = (_torch_runs if framework == "torch" else _jax_runs)(args)
+    if prepared is None:
+        print(f"  nothing to tune: {why_not}")
+        return False
+    path, runs, details, forget_read = prepared
+    if args.forget:
+        path.unlink(missing_ok=True)
+        forget_read()
+        print(f"  forgot the tuned choice ({path}): the C kernel runs")
+        return True
+    print(f"  candidates {', '.join(runs)}; {args.rounds} interleaved rounds after one untimed run each")
+    shape = {"num_positions": args.num_positions, "num_items": args.num_items, "hidden_size": args.hidden_size,
+             "num_targets": args.num_targets}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if args.dry_run:
+            timings = tile_choice.interleaved_medians(runs, args.rounds)
+            record = {"choice": tile_choice.fastest(timings) if timings else None, "timings_ms": timings}
+        else:
+            record = tile_choice.tune(path, runs, args.rounds, shape=shape, **details)
+            forget_read()
+    _say(caught)
+    timings = record["timings_ms"]
+    base = timings.get(tile_choice.DEFAULT)
+    for name, ms in timings.items():
+        ratio = f" ({ms / base:.2f}x the C kernel)" if base and name != tile_choice.DEFAULT else ""
+        print(f"  {name:<9} median {ms:9.1f} ms{ratio}")
+    missing = [name for name in runs if name not in timings]
+    if missing:
+        print(f"  failed to run: {', '.join(missing)}")
+    where = "not written (--dry-run)" if args.dry_run else f"written to {path}"
+    print(f"  choice: {record['choice']}; {where}")
+    return bool(timings)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m torch_cutbce.tune_tiles", description=__doc__.splitlines()[0])
+    parser.add_argument("--framework", choices=("torch", "jax", "both"), default="torch")
+    parser.add_argument("--rounds", type=int, default=tile_choice.ROUNDS)
+    parser.add_argument("--num-positions", type=int, default=4096)
+    parser.add_argument("--num-items", type=int, default=32768)
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--num-targets", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=0, help="torch's threads (default: torch's own)")
+    parser.add_argument("--tiles", nargs="+", choices=("c_kernel", "compiled", "eager", "xla"),
+                        help="the candidates to measure (default: every one that runs here)")
+    parser.add_argument("--dry-run", action="store_true", help="measure and print, write nothing")
+    parser.add_argument("--forget", action="store_true", help="delete the tuned choice: the C kernel runs again")
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    if os.environ.get(tile_choice.ENV, "auto") not in ("", "auto"):
+        print(f"note: {tile_choice.ENV}={os.environ[tile_choice.ENV]} is set: it overrides any tuned choice "
+              f"in processes that keep it set")
+    if cpu_tile_build.disabled():
+        print("TORCH_CUTBCE_NO_COMPILE is set: no kernel is built, nothing to tune")
+        return 1
+    frameworks = ("torch", "jax") if args.framework == "both" else (args.framework,)
+    ok = [_tune(framework, args) for framework in frameworks]
+    return 0 if all(ok) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
