@@ -76,7 +76,7 @@ def main() -> None:
         f"machine: {machine()}; ISA run: {isa}; C kernel lanes {lanes} ({os.environ.get('TORCH_CUTBCE_MARCH', 'native')}); "
         f"torch {torch.__version__}; commit {git_sha()}",
         f"command: {command()} on CPUs {cpus}; "
-        f"the first use chose '{chosen}'",
+        f"the default or tuned choice is '{chosen}'",
         f"{'variant':<20} {'median s':>9} {'x floor':>8} {'dense / it':>11}",
     ]
     for name, median in medians.items():

@@ -31,7 +31,7 @@ pytestmark = [pytestmark, pytest.mark.rung1]
 
 @pytest.fixture(autouse=True)
 def _the_c_kernel(monkeypatch):
-    """These tests are about the C kernel, whichever tile this machine's first use timed fastest."""
+    """These tests are about the C kernel, whichever tile this machine's tuning chose."""
     monkeypatch.setenv("TORCH_CUTBCE_TILE", "c_kernel")
 
 SPECIALS = [float("-inf"), float("inf"), float("nan"), 0.0, -0.0, -88.0, -95.0, -103.9, -104.5, -1e4, 1e4]

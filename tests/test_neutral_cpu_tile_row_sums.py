@@ -231,7 +231,7 @@ def test_jax_vmap_runs_through_the_ffi_kernel(reduction, monkeypatch):
     from jax_kernels import cut_bce, dense_cut_bce
     from jax_kernels.blocked import negative_tile
 
-    monkeypatch.setenv("TORCH_CUTBCE_TILE", "c_kernel")  # whichever tile this machine timed faster
+    monkeypatch.setenv("TORCH_CUTBCE_TILE", "c_kernel")  # whichever tile this machine's tuning chose
     jax.clear_caches()
 
     rng = np.random.default_rng(0)
