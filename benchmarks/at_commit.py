@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("torch_cutbce", "jax_kernels")
+PACKAGES = ("torch_cutbce", "jax_kernels", "cutbce_common")
 # Set in the command form's child: provenance.stamp() then names the library's commit.
 COMMIT_VARIABLE = "CUTBCE_LIBRARY_AT_COMMIT"
 

@@ -38,8 +38,8 @@ def main(argv=None):
     if args.mesh != "none":
         xr.use_spmd()
     from ablation import interleave, report
-    from jax_kernels.neutral.shapes import tile_width
-    from jax_kernels.neutral.options import CutBCEOptions
+    from cutbce_common.shapes import tile_width
+    from cutbce_common.options import CutBCEOptions
     from torch_cutbce import cut_bce_with_logits, xla_bridge
     from torch_cutbce.arguments import mesh_layout
     from torch_cutbce.reduction import reduce_rows

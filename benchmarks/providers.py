@@ -176,7 +176,7 @@ def setup(provider: str, shape: Shape, mode: str, *, block_v: int | None = None)
         raise ValueError(f"provider must be one of {PROVIDERS}, got {provider!r}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    from jax_kernels.neutral.shapes import default_block_v
+    from cutbce_common.shapes import default_block_v
 
     block_v = block_v or default_block_v(shape.num_positions, shape.num_items)
     arrays = _cached(("numpy", shape), lambda: make_numpy_inputs(shape))

@@ -74,9 +74,9 @@ def measure(n: int, v: int, d: int, slots: int, dtype_name: str, chips=tuple(TOP
     """One row per (op, chip, bridge): the compile's status and memory figures."""
     import jax.numpy as jnp
 
-    from jax_kernels.neutral.focal import Focal
-    from jax_kernels.neutral.loss import Loss
-    from jax_kernels.neutral.options import CutBCEOptions
+    from cutbce_common.focal import Focal
+    from cutbce_common.loss import Loss
+    from cutbce_common.options import CutBCEOptions
     import jax_kernels.bridge as jax_bridge
     from torch_cutbce import tpu_bridge
 

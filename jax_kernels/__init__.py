@@ -1,6 +1,6 @@
 """JAX implementations of CutBCE: dense reference, blocked pure-JAX loop, Pallas TPU kernels.
 
-Never imports torch. Public names load lazily (PEP 562) so that `jax_kernels.neutral.shapes`, which
+Never imports torch. Public names load lazily (PEP 562) so that `cutbce_common.shapes`, which
 torch_cutbce uses for its argument checks, does not import jax.
 """
 
@@ -10,7 +10,7 @@ torch_cutbce uses for its argument checks, does not import jax.
 _PUBLIC = {
     "cut_bce": "jax_kernels.api",
     "dense_cut_bce": "jax_kernels.reference",
-    "Focal": "jax_kernels.neutral.focal",
+    "Focal": "cutbce_common.focal",
 }
 
 __all__ = sorted(_PUBLIC)

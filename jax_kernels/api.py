@@ -7,7 +7,7 @@ import functools
 
 from jax_kernels.arguments import engine_operands, prepare, resolve_impl
 from jax_kernels.core import call_config, cut_bce_rows, cut_bce_weighted_sum
-from jax_kernels.neutral.loss import Loss
+from cutbce_common.loss import Loss
 from jax_kernels.reduction import finish
 from jax_kernels.sharded import sharded_loss
 

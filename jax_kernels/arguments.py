@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_kernels.neutral.shapes import ArraySpec, ProblemSize, check_arguments, check_block_v, check_largest_id, choose_impl
+from cutbce_common.shapes import ArraySpec, ProblemSize, check_arguments, check_block_v, check_largest_id, choose_impl
 
 FLOAT_ARGUMENTS = ("hidden", "item_weight", "bias", "weight", "class_weight", "pos_weight")
 

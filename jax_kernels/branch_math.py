@@ -2,7 +2,7 @@
 
 Used by the blocked loop's tiles (`blocked/negative_tile.py`), its positives (`blocked/loop.py`) and
 the Pallas kernel bodies (`pallas/kernels.py`, float32 inside Mosaic). Its sisters:
-`torch_cutbce/branch_math.py` and the C kernel `jax_kernels/neutral/cpu_tile.c` (plain BCE, float32
+`torch_cutbce/branch_math.py` and the C kernel `cutbce_common/cpu_tile.c` (plain BCE, float32
 CPU tiles); `tests/test_branch_math.py` pins the three against float64. With `u` the logit seen
 from the element's label (`z` for a negative, `-z` at a positive) and `e = exp(-|u|)` in (0, 1]:
 
@@ -101,7 +101,7 @@ def _integer_power(x, k: int):
 
 
 def loss_terms(u, e, loss):
-    """`(term(u), term'(u))` of a `jax_kernels.neutral.loss.Loss` (static), before the branch scale,
+    """`(term(u), term'(u))` of a `cutbce_common.loss.Loss` (static), before the branch scale,
     from `e = exp(-|u|)` (the formulas: the Loss module's docstring). With c = 0 the focal factor
     is `focal_factor`'s exact split; with c > 0 it is `q^gamma = exp(gamma log q)`, q >= c > 0.
 
@@ -145,7 +145,7 @@ def _scaled(loss_value, slope, positive, loss):
 def branch_terms(z, positive: bool, loss=None):
     """`(loss, slope)` of every element of `z` on one branch, before any weight: a negative's
     `(softplus(z), sigmoid(z))` or a positive's `(softplus(-z), -sigmoid(-z))` for plain BCE (None
-    or a plain `Loss`); for a `jax_kernels.neutral.loss.Loss`, its term and slope times its class
+    or a plain `Loss`); for a `cutbce_common.loss.Loss`, its term and slope times its class
     balance. `slope` is d loss / dz. A negative at z = -inf (a positive taken out of its tile) adds
     0 (its slope is masked by the tile: `blocked/negative_tile.py`)."""
     u = -z if positive else z

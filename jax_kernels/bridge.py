@@ -20,8 +20,8 @@ import jax.numpy as jnp
 
 import jax_kernels.core as jax_core
 import jax_kernels.sharded as jax_sharded
-from jax_kernels.neutral.options import CutBCEOptions, decode
-from jax_kernels.neutral.shapes import choose_impl
+from cutbce_common.options import CutBCEOptions, decode
+from cutbce_common.shapes import choose_impl
 
 _trace_count = 0
 

@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 
 from jax_kernels import positives
-from jax_kernels.neutral.loss import PLAIN, Loss
+from cutbce_common.loss import PLAIN, Loss
 from jax_kernels.engines import ENGINES, engine_for
-from jax_kernels.neutral.shapes import tile_width
+from cutbce_common.shapes import tile_width
 
 IMPLS = tuple(ENGINES)
 
@@ -39,7 +39,7 @@ class CutBCEConfig:
       compute_metrics: also produce the per-position counts.
       impl: 'blocked' (pure JAX) or 'pallas' (Mosaic on TPU, `interpret=True` elsewhere).
       block_sizes: Pallas tile sizes (a `jax_kernels.pallas.block_sizes.BlockSizes`), None = derived.
-      loss: the `jax_kernels.neutral.loss.Loss` (plain BCE by default), handed unopened to the
+      loss: the `cutbce_common.loss.Loss` (plain BCE by default), handed unopened to the
         branch math; a plain Loss runs the plain code, bit for bit.
       cpu_kernel: the blocked loop's float32 tiles run the C kernel (`cpu_tile.c`, through XLA's
         FFI) when lowered for the CPU; False keeps them in jnp. The torch_xla bridge sets False:

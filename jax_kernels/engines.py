@@ -13,7 +13,7 @@ from typing import Callable
 
 import jax.numpy as jnp
 
-from jax_kernels.neutral.shapes import KERNEL_DTYPES
+from cutbce_common.shapes import KERNEL_DTYPES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_kernels.neutral.shapes import accumulation_dtype_name
+from cutbce_common.shapes import accumulation_dtype_name
 
 
 def accumulation_dtype(dtype) -> jnp.dtype:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jax_kernels.neutral.shapes import accumulation_dtype_name, reduction_divisor
+from cutbce_common.shapes import accumulation_dtype_name, reduction_divisor
 
 
 def reduce_rows(rows, reduction, num_items):

@@ -12,7 +12,7 @@ which is `BCEWithLogitsLoss(weight=w, pos_weight=pos_weight, reduction='none')` 
 logits, summed over items. Reductions: 'none' -> row (shape S), 'sum' -> sum_n row[n],
 'mean' -> sum_n row[n] / (N * V) (the mean over every element, as BCEWithLogitsLoss computes it).
 
-Focal CutBCE (`focal=Focal(gamma, alpha, apply_class_balancing)`, jax_kernels/neutral/focal.py; Keras'
+Focal CutBCE (`focal=Focal(gamma, alpha, apply_class_balancing)`, cutbce_common/focal.py; Keras'
 `BinaryFocalCrossentropy`): each element's BCE term is scaled by `(1 - p_t)^gamma`, p_t the
 probability given to the element's own label. In logit space, with `u = -z` at a positive and
 `u = z` elsewhere (so the plain term is softplus(u)):
@@ -44,8 +44,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_kernels.arguments import prepare
-from jax_kernels.neutral.focal import check_focal
-from jax_kernels.neutral.loss import check_label_smoothing
+from cutbce_common.focal import check_focal
+from cutbce_common.loss import check_label_smoothing
 from jax_kernels.reduction import reduce_rows  # the tail shared with the entries: no engine in it
 
 

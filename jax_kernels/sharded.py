@@ -34,7 +34,7 @@ from jax_kernels.core import (
     cut_bce_weighted_sum,
 )
 from jax_kernels.reduction import finish
-from jax_kernels.neutral.shapes import AxisName, check_mesh_axes, mesh_axis_names
+from cutbce_common.shapes import AxisName, check_mesh_axes, mesh_axis_names
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import torch_cutbce as tc
-from jax_kernels.neutral.loss import Loss
+from cutbce_common.loss import Loss
 from parity import make_inputs, select, torch_dtype
 
 V, D = 301, 12

@@ -57,7 +57,7 @@ COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|reduce-scatter|collective-per
 
 def _options(compute_metrics, mesh=None, vocab_axis=None, data_axis=None):
     """The engines' `CutBCEOptions`: `BLOCK_V` tiles, the blocked JAX loop behind the bridge."""
-    from jax_kernels.neutral.options import CutBCEOptions
+    from cutbce_common.options import CutBCEOptions
     from torch_cutbce.arguments import mesh_layout
 
     return CutBCEOptions(block_v=BLOCK_V, compute_metrics=compute_metrics, impl="blocked",

@@ -94,8 +94,8 @@ def _structs(case):
 
 def _loss(case):
     """The case's `Loss` (plain without a "loss" entry)."""
-    from jax_kernels.neutral.focal import Focal
-    from jax_kernels.neutral.loss import Loss
+    from cutbce_common.focal import Focal
+    from cutbce_common.loss import Loss
 
     arguments = dict(case.get("loss", {}))
     if "focal" in arguments:

@@ -27,8 +27,8 @@ import numpy as np
 import pytest
 
 import exact_rows_cases
-from jax_kernels.neutral.focal import Focal
-from jax_kernels.neutral.loss import PLAIN, Loss
+from cutbce_common.focal import Focal
+from cutbce_common.loss import PLAIN, Loss
 from parity import GRADS, OPTIONAL, assert_close, make_inputs, make_upstream, run_jax, run_torch, select
 
 LEAD, V, D, L = (3, 7), 203, 16, 4  # N = 21; V a multiple of neither tile

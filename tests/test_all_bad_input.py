@@ -3,7 +3,7 @@
 The same input runs through `cut_bce_with_logits` (backend 'native' and 'dense'),
 `CutBCEWithLogitsLoss`, `jax_kernels.cut_bce` (impl 'blocked') and `jax_kernels.dense_cut_bce`.
 Errors are ValueError / TypeError whose message names the argument, shows the shape, dtype or
-value it got and says what was expected (the checks are shared, in `jax_kernels/neutral/shapes.py`).
+value it got and says what was expected (the checks are shared, in `cutbce_common/shapes.py`).
 Degenerate but valid inputs: test_all_bad_input_accepted.py. Tensors on different devices are left
 to the torch_xla bridge tests.
 """

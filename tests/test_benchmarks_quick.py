@@ -78,13 +78,13 @@ def test_at_commit_imports_a_commit_beside_the_working_tree():
 
     sha = at_commit.resolve("HEAD")
     with at_commit.Snapshot("HEAD") as old:
-        shapes = old.module("jax_kernels.neutral.shapes")  # plain Python: imports no framework
-        assert shapes.__name__ == f"jax_kernels_at_{sha[:7]}.neutral.shapes"
+        shapes = old.module("cutbce_common.shapes")  # plain Python: imports no framework
+        assert shapes.__name__ == f"cutbce_common_at_{sha[:7]}.shapes"
         assert pathlib.Path(shapes.__file__).is_relative_to(old.path)
         assert old.name("torch_cutbce.native") == f"torch_cutbce_at_{sha[:7]}.native"
         folder = old.path
     assert not folder.exists() and shapes.__name__ not in sys.modules
-    import jax_kernels.neutral.shapes as today
+    import cutbce_common.shapes as today
 
     assert pathlib.Path(today.__file__).is_relative_to(ROOT)
     with pytest.raises(ValueError, match="commit="):

@@ -1,7 +1,7 @@
 """Each element's branch math, pinned: torch, JAX and the C kernel against float64 and each other.
 
 The three implementations of an element's `(loss, slope)` (`torch_cutbce/branch_math.py`,
-`jax_kernels/branch_math.py`, `jax_kernels/neutral/cpu_tile.c`, plain BCE only) are run in float32
+`jax_kernels/branch_math.py`, `cutbce_common/cpu_tile.c`, plain BCE only) are run in float32
 on a grid of logits over [-1e4, 1e4] (dense near 0, log-spaced out to 1e4, both signs, 0, the
 smallest subnormal and normal, float32's largest), for a negative and a positive, plain and focal
 (gammas 0, 0.5, 1, 2, 3, 5; JAX also with class balancing), and compared with the float64
@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 import torch
 
-from jax_kernels.neutral import cpu_tile_build
-from jax_kernels.neutral.focal import Focal
-from jax_kernels.neutral.loss import Loss
+from cutbce_common import cpu_tile_build
+from cutbce_common.focal import Focal
+from cutbce_common.loss import Loss
 from torch_cutbce import branch_math as torch_math
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -222,7 +222,7 @@ def _jax_terms(positive: bool, gamma: float, balancing: bool):
     import jax.numpy as jnp
 
     from jax_kernels import branch_math as jax_math
-    from jax_kernels.neutral.focal import Focal, check_focal
+    from cutbce_common.focal import Focal, check_focal
     from parity import enable_x64
 
     focal = check_focal(Focal(gamma, 0.25, balancing))
@@ -292,4 +292,4 @@ def test_the_three_polynomials_hold_the_same_coefficients():
     torch_fit = _coefficients("torch_cutbce/branch_math.py", "def log1p_from_t")
     assert len(torch_fit) == 5, torch_fit
     assert _coefficients("jax_kernels/branch_math.py", "def log1p_unit") == torch_fit
-    assert _coefficients("jax_kernels/neutral/cpu_tile.c", "cutbce_log1p_unit(cutbce_vf e)") == torch_fit
+    assert _coefficients("cutbce_common/cpu_tile.c", "cutbce_log1p_unit(cutbce_vf e)") == torch_fit

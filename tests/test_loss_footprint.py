@@ -1,6 +1,6 @@
 """An option costs its type, its math, its oracles and its tests (issue 30): the footprint, held.
 
-The loss options (`jax_kernels/neutral/loss.py`: `Loss` and its `Focal`) are read by name only in
+The loss options (`cutbce_common/loss.py`: `Loss` and its `Focal`) are read by name only in
 the files that own them: the options type, the branch math of each language, the two dense
 oracles, and the entries that take them as keyword arguments. Every other library file (engines,
 launchers, kernels, the C kernel's gate, the bridges, the layouts) passes a `Loss` through
@@ -15,11 +15,11 @@ import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("torch_cutbce", "jax_kernels")
+PACKAGES = ("torch_cutbce", "jax_kernels", "cutbce_common")
 OPTION_NAMES = {"focal", "gamma", "alpha", "apply_class_balancing", "label_smoothing"}
 # The files that may name an option: its type, its math per language, its oracles, its entries.
 OWNERS = {
-    "jax_kernels/neutral/focal.py", "jax_kernels/neutral/loss.py",  # the options type
+    "cutbce_common/focal.py", "cutbce_common/loss.py",  # the options type
     "jax_kernels/branch_math.py", "torch_cutbce/branch_math.py",  # the math, per language
     "jax_kernels/reference.py", "torch_cutbce/reference.py",  # the two float64 oracles
     "jax_kernels/api.py", "torch_cutbce/functional.py", "torch_cutbce/module.py",  # the entries' keywords
@@ -64,6 +64,6 @@ def test_the_scan_sees_a_leak(tmp_path):
     """The token scan is not blind: a name in code counts, the same word in a comment or a
     docstring or an import path does not."""
     sample = tmp_path / "sample.py"
-    sample.write_text('"""focal in a docstring."""\nfrom jax_kernels.neutral.focal import Focal\n'
+    sample.write_text('"""focal in a docstring."""\nfrom cutbce_common.focal import Focal\n'
                       "# gamma in a comment\nx = options.loss.focal\n")
     assert option_names_in_code(sample) == [(4, "focal")]

@@ -1,4 +1,4 @@
-"""The CPU tile kernel (`jax_kernels/neutral/cpu_tile.c`) through both of its bindings, against float64.
+"""The CPU tile kernel (`cutbce_common/cpu_tile.c`) through both of its bindings, against float64.
 
 - torch (ctypes, `fused_tile`) and JAX (XLA FFI, `negative_tile`): rows, rows + gradient and
   gradient of random tiles with the special values the engines feed it (positives taken out at -inf,
@@ -21,7 +21,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jax_kernels.neutral import cpu_tile_build
+from cutbce_common import cpu_tile_build
 from parity import TOLERANCES, assert_close
 from torch_cutbce import fused_tile
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from jax_kernels.neutral import cpu_tile_build
+from cutbce_common import cpu_tile_build
 
 pytestmark = pytest.mark.rung1
 

@@ -1,6 +1,6 @@
 """What the CPU tile kernel compiles to at each x86-64 ISA level, without timing anything.
 
-`jax_kernels/neutral/cpu_tile.c` is built for x86-64-v3 (AVX2 + FMA) and x86-64-v4 (AVX-512) with the
+`cutbce_common/cpu_tile.c` is built for x86-64-v3 (AVX2 + FMA) and x86-64-v4 (AVX-512) with the
 product's own flags (`cpu_tile_build.flags`), whatever CPU runs the test:
 
 - the disassembly of `cutbce_tile` does its exp, divisions and multiply-adds on full vectors of
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from jax_kernels.neutral import cpu_tile_build
+from cutbce_common import cpu_tile_build
 
 pytestmark = pytest.mark.skipif(
     platform.machine() not in ("x86_64", "AMD64") or shutil.which("objdump") is None,

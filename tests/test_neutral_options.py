@@ -18,9 +18,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jax_kernels.neutral.focal import MIN_GAMMA, Focal
-from jax_kernels.neutral.loss import MIN_LABEL_SMOOTHING, Loss
-from jax_kernels.neutral.options import CutBCEOptions, decode
+from cutbce_common.focal import MIN_GAMMA, Focal
+from cutbce_common.loss import MIN_LABEL_SMOOTHING, Loss
+from cutbce_common.options import CutBCEOptions, decode
 from torch_cutbce import ops
 
 # Words that would mean an option leaked into an op's schema (its fields, and the focal ones).

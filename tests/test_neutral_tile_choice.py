@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from jax_kernels.neutral import tile_choice
+from cutbce_common import tile_choice
 from torch_cutbce import fused_tile
 
 pytestmark = pytest.mark.rung1

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 import conformance
-from jax_kernels.neutral.focal import MAX_GAMMA, MIN_GAMMA, Focal
+from cutbce_common.focal import MAX_GAMMA, MIN_GAMMA, Focal
 from conformance import ENGINES, FRAMEWORK_MARKS, NEEDS_TORCH
-from jax_kernels.neutral.loss import Loss
+from cutbce_common.loss import Loss
 from parity import OPTIONAL, TOLERANCES, assert_close, make_upstream
 
 TESTS = Path(__file__).resolve().parent

@@ -16,8 +16,8 @@ import pytest
 
 import conformance
 from conformance import LEAD, V
-from jax_kernels.neutral.focal import Focal
-from jax_kernels.neutral.loss import Loss
+from cutbce_common.focal import Focal
+from cutbce_common.loss import Loss
 from parity import assert_close, make_upstream
 
 OPTIONS = ("bias", "class_weight", "weight")  # Keras has no pos_weight (ours scales a positive's whole term)

@@ -1,6 +1,6 @@
 """The import floors of docs/design.md ('Import floors'), checked in fresh interpreters.
 
-`jax_kernels/neutral` imports neither framework (torch_cutbce loads it without jax, jax_kernels
+`cutbce_common` imports neither framework (torch_cutbce loads it without jax, jax_kernels
 without torch); `jax_kernels` never imports torch; the oracles import no engine; the engine registry
 names exactly the engines the framework-neutral impl rule accepts.
 Documents stay out of the packages (they would ship in the wheel).
@@ -39,7 +39,7 @@ def _imported_after(modules: list[str]) -> set[str]:
 
 
 def test_neutral_imports_no_framework():
-    loaded = _imported_after(_modules("jax_kernels.neutral"))
+    loaded = _imported_after(_modules("cutbce_common"))
     assert not loaded & {"torch", "jax", "jaxlib", "torch_xla"}, sorted(loaded)
 
 
@@ -95,7 +95,7 @@ def test_oracles_import_no_engine(oracle):
 def test_registry_matches_the_impl_rule():
     pytest.importorskip("jax")
     from jax_kernels.engines import ENGINES
-    from jax_kernels.neutral.shapes import IMPL_CHOICES
+    from cutbce_common.shapes import IMPL_CHOICES
 
     assert IMPL_CHOICES == ("auto", *ENGINES)
 

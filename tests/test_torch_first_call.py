@@ -108,7 +108,7 @@ def _kernel_built(cache: Path) -> bool:
 
 
 def _needs_compilers() -> None:
-    from jax_kernels.neutral import cpu_tile_build
+    from cutbce_common import cpu_tile_build
 
     try:
         cpu_tile_build.c_compiler()
@@ -138,7 +138,7 @@ def test_a_tuned_compiled_tile_compiles_in_every_process_and_says_so(tmp_path):
     (library,) = (tmp_path / "kernel").glob("cpu_tile-*.so")
     import torch
 
-    from jax_kernels.neutral import tile_choice
+    from cutbce_common import tile_choice
 
     tile_choice.cache_path(library, "torch", torch.__version__).write_text(json.dumps(
         {"choice": "compiled", "method": tile_choice.METHOD, "timings_ms": {"c_kernel": 2.0, "compiled": 1.0}}))

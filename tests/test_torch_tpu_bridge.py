@@ -39,9 +39,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import torch_cutbce as tc  # noqa: E402
-from jax_kernels.neutral.focal import Focal  # noqa: E402
-from jax_kernels.neutral.loss import Loss  # noqa: E402
-from jax_kernels.neutral.options import CutBCEOptions  # noqa: E402
+from cutbce_common.focal import Focal  # noqa: E402
+from cutbce_common.loss import Loss  # noqa: E402
+from cutbce_common.options import CutBCEOptions  # noqa: E402
 from torch_cutbce import tpu_bridge  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,6 +1,6 @@
 """torch-cutbce: exact full-catalog binary cross-entropy without materializing `[N, V]` logits."""
 
-from jax_kernels.neutral.focal import Focal
+from cutbce_common.focal import Focal
 from torch_cutbce.functional import BACKENDS, cut_bce_with_logits
 from torch_cutbce.metrics import CutBCEMetrics
 from torch_cutbce.module import CutBCEWithLogitsLoss

@@ -1,6 +1,6 @@
 """The torch entry's argument rules: validation, the backend choice, devices, dtypes.
 
-Shape and dtype rules are framework-neutral and live in `jax_kernels.neutral.shapes.check_arguments`
+Shape and dtype rules are framework-neutral and live in `cutbce_common.shapes.check_arguments`
 (shared with `jax_kernels.cut_bce`); this module describes torch tensors to it and adds what only
 torch has (devices, requires_grad, autocast).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from jax_kernels.neutral.shapes import AxisName, ArraySpec, check_arguments, check_largest_id, check_mesh_axes
+from cutbce_common.shapes import AxisName, ArraySpec, check_arguments, check_largest_id, check_mesh_axes
 from torch_cutbce.route import VocabParallelOptions
 
 BACKENDS = ("auto", "native", "dense", "xla", "xla_blocked", "xla_pallas", "torch_tpu")

@@ -2,7 +2,7 @@
 
 Used by the tile functions (`fused_tile.py`, compiled and eager) and the positives' own terms
 (`positives.py`). Its sisters: `jax_kernels/branch_math.py` (the blocked loop, the positives and the
-Pallas kernels) and the C kernel `jax_kernels/neutral/cpu_tile.c` (plain BCE, float32 CPU tiles);
+Pallas kernels) and the C kernel `cutbce_common/cpu_tile.c` (plain BCE, float32 CPU tiles);
 `tests/test_branch_math.py` pins the three against float64. With `u` the logit seen from the
 element's label (`z` for a negative, `-z` at a positive) and `e = exp(-|u|)` in (0, 1]:
 
@@ -108,7 +108,7 @@ def _integer_power(x, k: int):
 
 
 def loss_terms(u, e, form, numbers):
-    """`(term(u), term'(u))` of a `jax_kernels.neutral.loss.Loss` given as its `form()` and
+    """`(term(u), term'(u))` of a `cutbce_common.loss.Loss` given as its `form()` and
     `numbers()` (floats, or a compiled tile's 0-d tensors), before the branch scale, from
     `e = exp(-|u|)`. The formulas: the Loss module's docstring; with c = 0 the focal factor is
     `focal_factor`'s exact split, with c > 0 `q^gamma = exp(gamma log q)` (q >= c: no log of 0).
@@ -155,7 +155,7 @@ def form_terms(z, positive: bool, form, numbers):
 def branch_terms(z, positive: bool, loss=None):
     """`(loss, slope)` of every element of `z` on one branch, before any weight: a negative's
     `(softplus(z), sigmoid(z))` or a positive's `(softplus(-z), -sigmoid(-z))` for plain BCE (None
-    or a plain Loss); for a `jax_kernels.neutral.loss.Loss`, its term and slope times its class
+    or a plain Loss); for a `cutbce_common.loss.Loss`, its term and slope times its class
     balance (`loss_terms`). `slope` is d loss / dz. A negative at z = -inf (a positive taken out of
     its tile) has loss 0 and slope 0 where the tile masks its gradient (`fused_tile`)."""
     if loss is None or loss.plain:

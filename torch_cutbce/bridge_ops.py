@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from jax_kernels.bridge import enable_x64, jax_static, resolve_impl, x64_enabled  # noqa: F401  (the registrars')
-from jax_kernels.neutral.options import CutBCEOptions, decode
+from cutbce_common.options import CutBCEOptions, decode
 from torch_cutbce.positives import accumulation_dtype
 
 def dtype_name(t: torch.Tensor) -> str:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from jax_kernels.neutral.focal import Focal
-from jax_kernels.neutral.loss import Loss
-from jax_kernels.neutral.options import CutBCEOptions
-from jax_kernels.neutral.shapes import reduction_divisor
+from cutbce_common.focal import Focal
+from cutbce_common.loss import Loss
+from cutbce_common.options import CutBCEOptions
+from cutbce_common.shapes import reduction_divisor
 from torch_cutbce import arguments, distributed, engines
 from torch_cutbce.arguments import BACKENDS  # noqa: F401  (re-exported by torch_cutbce)
 from torch_cutbce.metrics import CutBCEMetrics
@@ -93,7 +93,7 @@ def cut_bce_with_logits(
         same on every rank, and every rank gets the same loss and `d_hidden` ('mean' divides by
         N x the global V). See `torch_cutbce.vocab_parallel`.
       focal: a `Focal(gamma=2.0, alpha=0.25, apply_class_balancing=False)` for the focal loss
-        (Keras `BinaryFocalCrossentropy` semantics; formulas: `jax_kernels/neutral/focal.py`), or None.
+        (Keras `BinaryFocalCrossentropy` semantics; formulas: `cutbce_common/focal.py`), or None.
         gamma = 0 without balancing is plain BCE. Exact like the plain loss, on every backend.
       label_smoothing: eps in [0, 1]: each element's target becomes `y (1 - eps) + eps / 2`
         (Keras' `label_smoothing`; with focal, `BinaryFocalCrossentropy`'s). `pos_weight` scales a

@@ -12,11 +12,11 @@ math is `branch_math.py`'s, here only weighted, masked and summed.
     counts(z)                  -> #{v : z > 0} per row (metrics)
 
 Plain float32 tiles on the CPU run one of three candidates (`TILES`): by default the C kernel
-`jax_kernels/neutral/cpu_tile.c` (built once per machine, under a second; one pass that may write dz
+`cutbce_common/cpu_tile.c` (built once per machine, under a second; one pass that may write dz
 over z: `writes_grad_in_place`), with nothing timed and nothing compiled by torch.compile in the
 process. The `torch.compile`d version or the eager twin runs instead where `TORCH_CUTBCE_TILE` says
 so, where `python -m torch_cutbce.tune_tiles` measured it faster over the whole forward + backward
-(`_tuned_cpu_tile`, `jax_kernels/neutral/tile_choice.py`), or where the kernel cannot be built
+(`_tuned_cpu_tile`, `cutbce_common/tile_choice.py`), or where the kernel cannot be built
 (torch.compile's tile with a C++ compiler, else eager). Other float32 tiles (CUDA, any other `Loss`)
 run the `torch.compile`d version (one vectorized loop per function) with log1p as a polynomial
 (`branch_math.log1p_tail`, 4e-9 relative: Sleef's log1p costs about 4 exps); everything else runs the
@@ -37,8 +37,8 @@ from typing import Callable
 
 import torch
 
-from jax_kernels.neutral import cpu_tile_build, tile_choice  # framework-neutral: no jax import
-from jax_kernels.neutral.loss import PLAIN, Loss, Numbers
+from cutbce_common import cpu_tile_build, tile_choice  # framework-neutral: no jax import
+from cutbce_common.loss import PLAIN, Loss, Numbers
 from torch_cutbce import branch_math
 
 _compile_seconds: dict[str, float] = {}
@@ -85,7 +85,7 @@ def _counts(z):
     return (z > 0).sum(-1, dtype=torch.float32)
 
 
-# Tiles of any other `Loss` (`jax_kernels/neutral/loss.py`): its `form()` is a constant of the
+# Tiles of any other `Loss` (`cutbce_common/loss.py`): its `form()` is a constant of the
 # compiled kernel (focal's integer power unrolled: the exact form of the factor,
 # `branch_math.focal_factor`), its `numbers()` the tensor `params` (every Loss of one form shares
 # a kernel). At z = -inf (a positive taken out) the branch math adds 0; the gradient is masked here.
@@ -442,7 +442,7 @@ def _run_compiled(name: str, z: torch.Tensor, *args):
 
 def rows(z: torch.Tensor, cw: torch.Tensor | None, loss: Loss = PLAIN) -> torch.Tensor:
     """`sum_v cw[v] term(z[n, v])` `[bn]`: each row's loss over the tile's negatives (`loss`: a
-    `jax_kernels.neutral.loss.Loss`; plain: `term = softplus`)."""
+    `cutbce_common.loss.Loss`; plain: `term = softplus`)."""
     return _run("rows", z, cw) if loss.plain else _run("loss_rows", z, cw, loss)
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from jax_kernels.neutral.focal import Focal
-from jax_kernels.neutral.loss import Loss
-from jax_kernels.neutral.shapes import AxisName, check_block_v, check_reduction
+from cutbce_common.focal import Focal
+from cutbce_common.loss import Loss
+from cutbce_common.shapes import AxisName, check_block_v, check_reduction
 from torch_cutbce.arguments import check_backend, check_parallel_options
 from torch_cutbce.functional import cut_bce_with_logits
 from torch_cutbce.route import VocabParallelOptions

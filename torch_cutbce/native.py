@@ -9,8 +9,8 @@ positive gets its own exact terms afterwards (`positives.positive_terms`, O(N L)
   upstream g[n], their gradients (each logits tile recomputed).
 - `loss_and_grads`: the 'sum' / 'mean' loss with its gradients computed in the same pass.
 
-Each takes the call's `jax_kernels.neutral.options.CutBCEOptions` (tile width, metrics, the
-vocabulary-parallel offset) and hands its `loss` (`jax_kernels.neutral.loss.Loss`) unopened to the
+Each takes the call's `cutbce_common.options.CutBCEOptions` (tile width, metrics, the
+vocabulary-parallel offset) and hands its `loss` (`cutbce_common.loss.Loss`) unopened to the
 tile functions and the positives' terms. The tile is sized here, for the rows that reach the tiles
 (`_tile_width`).
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from jax_kernels.neutral.shapes import tile_width
+from cutbce_common.shapes import tile_width
 from torch_cutbce import fused_tile, positives
 from torch_cutbce.reduction import weighted_count_sums  # the counts tail, shared with the entries
 

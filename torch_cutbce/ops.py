@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from jax_kernels.neutral.options import CutBCEOptions, decode
+from cutbce_common.options import CutBCEOptions, decode
 from torch_cutbce import native, positives
 from torch_cutbce.arguments import check_ids_below_vocab
 

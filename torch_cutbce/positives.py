@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from jax_kernels.neutral.shapes import accumulation_dtype_name
+from cutbce_common.shapes import accumulation_dtype_name
 from torch_cutbce import branch_math
 
 
@@ -86,7 +86,7 @@ def positive_terms(logits, ids, class_weight, pos_weight, g=None, loss=None):
 
     `loss = w term(-z)`, `dz = g w d term(-z) / dz`, `w = cw pw`, at valid ids (`ids >= 0`), exactly
     0 elsewhere (`where`, not a product: a padded slot's undefined logit never leaks in). The term
-    of the call's `jax_kernels.neutral.loss.Loss` (plain: softplus) and its class balance are
+    of the call's `cutbce_common.loss.Loss` (plain: softplus) and its class balance are
     `branch_math.branch_terms`'. Weights are `[V]` or None; computed in `logits`' dtype.
     """
     valid = ids >= 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jax_kernels.neutral.shapes import reduction_divisor
+from cutbce_common.shapes import reduction_divisor
 from torch_cutbce.metrics import CutBCEMetrics
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from jax_kernels.neutral.focal import check_focal
-from jax_kernels.neutral.loss import check_label_smoothing
+from cutbce_common.focal import check_focal
+from cutbce_common.loss import check_label_smoothing
 from torch_cutbce.metrics import CutBCEMetrics
 from torch_cutbce.targets import ids_to_multi_hot
 
@@ -38,7 +38,7 @@ def dense_bce_with_logits(
     focal; `BCEWithLogitsLoss(pos_weight=)` would weight the smoothed target's positive part of
     every element instead).
 
-    With `focal` (a `jax_kernels.neutral.focal.Focal`) the focal loss, written from its definition in logit
+    With `focal` (a `cutbce_common.focal.Focal`) the focal loss, written from its definition in logit
     space and independent of the engines' formulas: each element's BCE `log(1 + exp(u))` (u the
     logit seen from the element's label) times `exp(gamma * logsigmoid(u))` = `(1 - p_t)^gamma`,
     times alpha / 1 - alpha with class balancing; `pos_weight` and the weights multiply as in BCE.

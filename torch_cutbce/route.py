@@ -14,7 +14,7 @@ import dataclasses
 
 import torch.distributed as dist
 
-from jax_kernels.neutral.options import CutBCEOptions
+from cutbce_common.options import CutBCEOptions
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from jax_kernels.neutral.shapes import tile_width
+from cutbce_common.shapes import tile_width
 from torch_cutbce.positives import accumulation_dtype
 
 

@@ -29,7 +29,7 @@ import jax
 
 import jax_kernels.bridge as jax_bridge
 from torch_cutbce import bridge_ops
-from jax_kernels.neutral.options import CutBCEOptions
+from cutbce_common.options import CutBCEOptions
 
 DEVICES = ("tpu", "meta")  # meta: shapes and dtypes only (the fakes), e.g. to trace a model off a TPU
 

@@ -1,6 +1,6 @@
 """Choose this machine's float32 CPU tile by measuring it: `python -m torch_cutbce.tune_tiles`.
 
-The library runs the C kernel (`jax_kernels/neutral/cpu_tile.c`) for plain float32 CPU tiles
+The library runs the C kernel (`cutbce_common/cpu_tile.c`) for plain float32 CPU tiles
 wherever it builds, and times nothing on a first call. This command is the one place another tile
 can be chosen: it runs the whole native forward + backward ('mean', float32; N 4096, V 32,768,
 D 64, L 8 unless told otherwise) once with each candidate tile (the C kernel, torch.compile's tile,
@@ -25,7 +25,7 @@ import os
 import sys
 import warnings
 
-from jax_kernels.neutral import cpu_tile_build, tile_choice
+from cutbce_common import cpu_tile_build, tile_choice
 
 
 def _say(caught) -> None:

@@ -37,7 +37,7 @@ import jax_kernels.bridge as jax_bridge  # noqa: E402  (imports jax)
 from jax_kernels.bridge import trace_count  # noqa: E402,F401  (the tests count lowerings)
 from torch_cutbce import bridge_ops  # noqa: E402
 
-from jax_kernels.neutral.options import CutBCEOptions  # noqa: E402
+from cutbce_common.options import CutBCEOptions  # noqa: E402
 
 
 def _on_tpu() -> bool:

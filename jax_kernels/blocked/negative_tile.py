@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_kernels.neutral import cpu_tile_build, tile_choice
+from cutbce_common import cpu_tile_build, tile_choice
 from jax_kernels.branch_math import branch_terms
 
 @functools.cache

@@ -15,9 +15,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_kernels.neutral.shapes import KERNEL_DTYPES, ArraySpec, check_arguments
+from cutbce_common.shapes import KERNEL_DTYPES, ArraySpec, check_arguments
 from jax_kernels.pallas.block_sizes import LANES, BlockSizes, default_block_sizes
-from jax_kernels.neutral.loss import PLAIN, Loss
+from cutbce_common.loss import PLAIN, Loss
 from jax_kernels.pallas.calls import d_hidden_call, d_item_call, forward_call, on_platform
 
 def _spec(x):
@@ -105,7 +105,7 @@ def pallas_forward(
             every other slot holds -1. L may be 0 (no positives).
         compute_counts: also count, per row, the items with `z > 0` and the positives among them.
         block_sizes: tiles and VMEM limit; None derives them from the chip (`default_block_sizes`).
-        loss: the call's `jax_kernels.neutral.loss.Loss`: each element's softplus(zs) becomes its
+        loss: the call's `cutbce_common.loss.Loss`: each element's softplus(zs) becomes its
             `term(zs)`, scaled by its class balance (`branch_math.labelled_terms`); static.
 
     Returns:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from jax_kernels.neutral import cpu_tile_build
+from cutbce_common import cpu_tile_build
 
 ENV = "TORCH_CUTBCE_TILE"
 DEFAULT = "c_kernel"  # wherever it builds, unless a tuned choice says otherwise

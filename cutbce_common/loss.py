@@ -31,7 +31,7 @@ import dataclasses
 import math
 from typing import NamedTuple
 
-from jax_kernels.neutral.focal import Focal, check_focal
+from cutbce_common.focal import Focal, check_focal
 
 # Below this a smoothing's half is not a normal float32 number: it would flush to 0 in a tile.
 MIN_LABEL_SMOOTHING = 2.0 ** -125

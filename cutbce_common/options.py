@@ -21,9 +21,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from jax_kernels.neutral.focal import Focal
-from jax_kernels.neutral.loss import Loss
-from jax_kernels.neutral.shapes import IMPL_CHOICES, AxisName, check_mesh_axes
+from cutbce_common.focal import Focal
+from cutbce_common.loss import Loss
+from cutbce_common.shapes import IMPL_CHOICES, AxisName, check_mesh_axes
 
 @dataclasses.dataclass(frozen=True)
 class CutBCEOptions:
@@ -33,7 +33,7 @@ class CutBCEOptions:
       block_v: the caller's vocabulary tile width, a positive int, or None: a 16 MiB float32 tile
         for the rows the engine sees (`shapes.tile_width`, called where the engine runs).
       compute_metrics: also count TP / FP / FN / TN.
-      loss: the `jax_kernels.neutral.loss.Loss` (what is computed per element; the other fields
+      loss: the `cutbce_common.loss.Loss` (what is computed per element; the other fields
         are the route: where and how it runs). The engines hand it unopened to the branch math.
       impl: the JAX engine behind the torch_xla bridge: 'auto' (Pallas on a TPU for float32 /
         bfloat16), 'blocked' or 'pallas' (`shapes.choose_impl`); unused by the native engine.
