@@ -33,7 +33,7 @@ OPTIONAL = {"jax": ("jax", "jax"), "xla": ("torch_xla", "xla")}
 FAST_MODULES = {
     "test_reference.py", "test_branch_math.py", "test_neutral_options.py", "test_torch_native.py",
     "test_all_bad_input.py", "test_all_bad_input_accepted.py", "test_repo_hygiene.py", "test_repo_layout.py",
-    "test_docs_links.py",
+    "test_docs_links.py", "test_loss_footprint.py",
 }
 
 
