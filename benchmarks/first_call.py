@@ -3,6 +3,8 @@ its gradients are back.
 
     nice .venv/bin/python benchmarks/first_call.py                 # 3 new processes, each on empty caches
     .venv/bin/python benchmarks/first_call.py --runs 5 --tile eager
+    .venv/bin/python benchmarks/first_call.py --path jax           # jax_kernels.cut_bce, jitted grad
+    .venv/bin/python benchmarks/first_call.py --path xla           # the torch_xla bridge on XLA:CPU
 
 Each run is a new Python process with `TORCH_CUTBCE_CACHE_DIR` and `TORCHINDUCTOR_CACHE_DIR` pointing
 at new empty folders, so the C kernel is built in it (where a compiler is present): N 64, V 500,
@@ -38,6 +40,43 @@ ROOT = HERE.parent
 RESULTS = HERE / "results" / "first_call.txt"
 
 # One new process: the seconds of each step, as JSON on its last line.
+_JAX_CHILD = """
+import json, time, warnings
+start = time.perf_counter()
+warnings.simplefilter("ignore")
+import jax, numpy as np
+import jax_kernels
+imported = time.perf_counter()
+rng = np.random.default_rng(0)
+hidden = rng.standard_normal((64, 32), np.float32); items = rng.standard_normal((500, 32), np.float32)
+targets = rng.integers(0, 500, (64, 4)).astype(np.int32)
+step = jax.jit(jax.grad(lambda h, w: jax_kernels.cut_bce(h, w, targets), argnums=(0, 1)))
+jax.block_until_ready(step(hidden, items))
+first = time.perf_counter()
+jax.block_until_ready(step(hidden, items))
+second = time.perf_counter()
+print(json.dumps({"import": imported - start, "first": first - imported, "second": second - first}))
+"""
+
+_XLA_CHILD = """
+import json, time, warnings
+start = time.perf_counter()
+warnings.simplefilter("ignore")
+import torch, torch_xla
+import torch_cutbce
+imported = time.perf_counter()
+device = torch_xla.device()
+g = torch.Generator().manual_seed(0)
+hidden = torch.randn(64, 32, generator=g).to(device).requires_grad_()
+items = torch.randn(500, 32, generator=g).to(device).requires_grad_()
+targets = torch.randint(0, 500, (64, 4), generator=g).to(device)
+times = []
+for _ in range(2):
+    torch_cutbce.cut_bce_with_logits(hidden, items, targets, reduction="mean").backward()
+    torch_xla.sync(); hidden.grad.cpu(); times.append(time.perf_counter())
+print(json.dumps({"import": imported - start, "first": times[0] - imported, "second": times[1] - times[0]}))
+"""
+
 _CHILD = """
 import json, sys, time, warnings
 start = time.perf_counter()
@@ -74,7 +113,7 @@ def host_cpu() -> str:
     return f"{model}; avx512f {'yes' if 'avx512f' in flags else 'no'}; {os.cpu_count()} CPUs"
 
 
-def fresh_process(tile: str | None) -> dict:
+def fresh_process(tile: str | None, path: str = "torch") -> dict:
     """One new process on empty kernel and inductor caches; its timings, and its own wall time."""
     with tempfile.TemporaryDirectory(prefix="cutbce_first_call_") as folder:
         env = {**os.environ, "TORCH_CUTBCE_CACHE_DIR": str(Path(folder) / "kernel"),
@@ -83,7 +122,9 @@ def fresh_process(tile: str | None) -> dict:
         if tile:
             env["TORCH_CUTBCE_TILE"] = tile
         start = time.perf_counter()
-        done = subprocess.run([sys.executable, "-c", _CHILD], cwd=ROOT, env=env, capture_output=True, text=True,
+        child = {"torch": _CHILD, "jax": _JAX_CHILD, "xla": _XLA_CHILD}[path]
+        env.setdefault("PJRT_DEVICE", "CPU")
+        done = subprocess.run([sys.executable, "-c", child], cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=900)
         wall = time.perf_counter() - start
     if done.returncode != 0:
@@ -95,17 +136,18 @@ def empty_cache_runs(args) -> None:
     sys.path.insert(0, str(HERE))
     from provenance import stamp
 
-    lines = [f"## {time.strftime('%Y-%m-%d %H:%M')} first call, new process, empty caches: N 64, V 500, D 32, L 4, "
-             f"float32, 'mean', forward + backward; TORCH_CUTBCE_TILE={args.tile or 'unset'}",
+    lines = [f"## {time.strftime('%Y-%m-%d %H:%M')} first call ({args.path}), new process, empty caches: N 64, V 500, "
+             f"D 32, L 4, float32, 'mean', forward + backward; TORCH_CUTBCE_TILE={args.tile or 'unset'}",
              stamp(), f"host CPU: {host_cpu()}; load average {os.getloadavg()[0]:.1f} at the start"]
     print("\n".join(lines), flush=True)
     runs = []
     for run in range(1, args.runs + 1):
-        r = fresh_process(args.tile)
+        r = fresh_process(args.tile, args.path)
         runs.append(r)
-        line = (f"run {run}: first call {r['first']:.2f} s (kernel build included; tile '{r['tile']}', "
-                f"C kernel {'built' if r['kernel'] else 'not built'}, torch.compile compiled "
-                f"{', '.join(r['compiled']) or 'nothing'}); import {r['import']:.2f} s; second call "
+        what = ("kernel build and jit included" if args.path == "jax" else "XLA's compile included"
+                if args.path == "xla" else f"kernel build included; tile '{r['tile']}', C kernel "
+                f"{'built' if r['kernel'] else 'not built'}, torch.compile compiled {', '.join(r['compiled']) or 'nothing'}")
+        line = (f"run {run}: first call {r['first']:.2f} s ({what}); import {r['import']:.2f} s; second call "
                 f"{r['second'] * 1e3:.1f} ms; whole process {r['process']:.2f} s")
         print(line, flush=True)
         lines.append(line)
@@ -149,6 +191,8 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--path", choices=("torch", "jax", "xla"), default="torch",
+                        help="torch: the native engine; jax: jax_kernels.cut_bce (jitted grad); xla: the torch_xla bridge")
     parser.add_argument("--tile", choices=("c_kernel", "compiled", "eager"),
                         help="TORCH_CUTBCE_TILE in the new processes (default: unset, the library's default)")
     parser.add_argument("--out", type=Path, default=RESULTS)
