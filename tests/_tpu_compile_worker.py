@@ -103,14 +103,16 @@ def _loss(case):
     return Loss(**arguments)
 
 
-def _loss_and_grads(hidden, item_weight, targets, bias, class_weight, pos_weight, *, counts, loss):
+def _loss_and_grads(hidden, item_weight, targets, bias, class_weight, pos_weight, *, counts, loss_value=None):
     import jax
 
     import jax_kernels
 
+    arguments = {} if loss_value is None else loss_value.arguments()
+
     def loss(h, w, b):
         out = jax_kernels.cut_bce(h, w, targets, b, class_weight=class_weight, pos_weight=pos_weight,
-                                  return_metrics=counts, impl="pallas", **loss.arguments())
+                                  return_metrics=counts, impl="pallas", **arguments)
         return (out[0], out[1]) if counts else (out, ())
 
     return jax.value_and_grad(loss, argnums=(0, 1, 2) if bias is not None else (0, 1),
@@ -136,7 +138,7 @@ def compile_case(chip, case):
         "backward": (functools.partial(pallas_backward, loss=loss), common + (s["g"],)),
         "value_and_grad": (functools.partial(pallas_value_and_grad, compute_counts=counts, loss=loss),
                            common + (s["g"],)),
-        "cut_bce_value_and_grad": (functools.partial(_loss_and_grads, counts=counts, loss=loss),
+        "cut_bce_value_and_grad": (functools.partial(_loss_and_grads, counts=counts, loss_value=loss),
                                    (s["hidden"], s["item_weight"], s["ids"], s["bias"],
                                     s["class_weight"], s["pos_weight"])),
     }

@@ -33,6 +33,7 @@ import functools
 import os
 import shutil
 import time
+import types
 from typing import Callable
 
 import torch
@@ -93,8 +94,8 @@ def _counts(z):
 
 def _loss_functions(form) -> dict:
     """The three tile functions of a `Loss` of this `form`, taking `params` = its numbers as a
-    tensor. Each call makes new closures of the same code: dynamo keeps one compiled version per
-    form and thread count, up to its recompile limit (8; a process past it gets eager tiles)."""
+    tensor; each form's with code objects of their own (`_own_code`), so each form is compiled once
+    per thread count, however many forms a process uses."""
 
     def terms(z, params):
         return branch_math.form_terms(z, False, form, Numbers(*params.unbind()))
@@ -110,7 +111,17 @@ def _loss_functions(form) -> dict:
     def loss_grad(z, cw, params, g, out):
         out.copy_(_taken_out_to_zero(z, terms(z, params)[1] * (g * cw)))
 
-    return {"loss_rows": loss_rows, "loss_rows_grad": loss_rows_grad, "loss_grad": loss_grad}
+    functions = {"loss_rows": loss_rows, "loss_rows_grad": loss_rows_grad, "loss_grad": loss_grad}
+    return {name: _own_code(function, form) for name, function in functions.items()}
+
+
+def _own_code(function, form):
+    """`function` with a code object of its own for this form: dynamo keeps one cache, and one
+    recompile limit (8), per code object, so closures of one code object for several forms would
+    share it, and past 8 forms in a process torch.compile fails (fullgraph) and every tile runs eager."""
+    tag = "_".join(str(int(value)) for value in form)
+    code = function.__code__.replace(co_name=f"{function.__name__}_{tag}")
+    return types.FunctionType(code, function.__globals__, code.co_name, function.__defaults__, function.__closure__)
 
 
 @functools.lru_cache(maxsize=8)
