@@ -43,7 +43,11 @@ class BuildError(RuntimeError):
 
 # The folders whose frames a warning skips: this library's two packages, and the frameworks that
 # call into them (torch's autograd and custom ops, jax's tracing). Found without importing them.
-_LIBRARY_FOLDERS = (str(_HERE.parent) + os.sep, str(_HERE.parent.parent / "torch_cutbce") + os.sep)
+# The library's three packages, as the interpreter names their files (unresolved: a frame's
+# co_filename keeps a symlinked prefix) and resolved.
+_LIBRARY_FOLDERS = tuple(sorted({str(folder / package) + os.sep
+                                 for folder in (Path(os.path.dirname(os.path.abspath(__file__))).parent, _HERE.parent)
+                                 for package in ("cutbce_common", "torch_cutbce", "jax_kernels")}))
 _FRAMEWORKS = ("torch", "jax", "jaxlib", "torch_xla", "torch_tpu")
 
 
