@@ -56,7 +56,7 @@ sdist=$(ls "$work"/dist/torch_cutbce-*.tar.gz)
 pip_quiet --no-build-isolation -c "$constraints" "$sdist[test]"
 tar -xzf "$sdist" -C "$work"
 unpacked=$(ls -d "$work"/torch_cutbce-*/)
-rm -rf "$unpacked/torch_cutbce" "$unpacked/jax_kernels"
+rm -rf "$unpacked/torch_cutbce" "$unpacked/jax_kernels" "$unpacked/cutbce_common"
 
 # The environment must really lack the extras, or import-time dependencies would go unnoticed.
 # (Run from the unpacked sdist: from the checkout, `import torch_cutbce` would find the source.)

@@ -34,7 +34,7 @@ import json, logging, sys, time, warnings
 logged = []
 class Keep(logging.Handler):
     def emit(self, record):
-        if record.name.startswith(("torch_cutbce", "jax_kernels")):
+        if record.name.startswith(("torch_cutbce", "jax_kernels", "cutbce_common")):
             logged.append(f"{record.name}: {record.getMessage()}")
 logging.basicConfig(level=logging.INFO, handlers=[Keep()])
 with warnings.catch_warnings(record=True) as caught:
