@@ -196,19 +196,19 @@ def cut_bce_weighted_sum(place, hidden, item_weight, targets, bias, class_weight
 
 def _weighted_sum_fwd(place, hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight):
     value_and_grad = place.value_and_grad(hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight)
-    return weighted_sum_and_residuals(value_and_grad, (hidden, item_weight, bias), row_weight)
+    return _weighted_sum_and_residuals(value_and_grad, (hidden, item_weight, bias), row_weight)
 
 
 def _weighted_sum_bwd(place, residuals, cotangents):
-    d_hidden, d_item_weight, d_bias, d_row_weight = weighted_sum_cotangents(residuals, cotangents)
+    d_hidden, d_item_weight, d_bias, d_row_weight = _weighted_sum_cotangents(residuals, cotangents)
     return d_hidden, d_item_weight, None, d_bias, None, None, d_row_weight
 
 
 cut_bce_weighted_sum.defvjp(_weighted_sum_fwd, _weighted_sum_bwd)
 
 
-def weighted_sum_and_residuals(value_and_grad, differentiable, row_weight):
-    """The forward rule's output and residuals of a weighted-sum custom_vjp (here and on a mesh).
+def _weighted_sum_and_residuals(value_and_grad, differentiable, row_weight):
+    """The forward rule's output and residuals of the weighted-sum custom_vjp (one device or a mesh: its place).
 
     Args:
       value_and_grad: `((rows, counts), (d_hidden, d_item_weight, d_bias or None))`, as
@@ -226,7 +226,7 @@ def weighted_sum_and_residuals(value_and_grad, differentiable, row_weight):
     return (loss, counts), (grads, dtypes, rows, row_weight)
 
 
-def weighted_sum_cotangents(residuals, cotangents):
+def _weighted_sum_cotangents(residuals, cotangents):
     """`(d_hidden, d_item_weight, d_bias or None, d_row_weight)` for the `(loss, counts)` cotangents:
     the saved gradients scaled by the loss's scalar cotangent (the counts have none)."""
     grads, dtypes, rows, row_weight = residuals
