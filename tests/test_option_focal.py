@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import conformance
+import conformance_engines as conformance
 from cutbce_common.focal import MAX_GAMMA, MIN_GAMMA, Focal
-from conformance import ENGINES, FRAMEWORK_MARKS, NEEDS_TORCH
+from conformance_engines import ENGINES, FRAMEWORK_MARKS, NEEDS_TORCH
 from cutbce_common.loss import Loss
 from parity import OPTIONAL, TOLERANCES, assert_close, make_upstream
 

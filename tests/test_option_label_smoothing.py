@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import conformance
-from conformance import LEAD, V
+import conformance_engines as conformance
+from conformance_engines import LEAD, V
 from cutbce_common.focal import Focal
 from cutbce_common.loss import Loss
 from parity import assert_close, make_upstream

@@ -1,0 +1,137 @@
+"""Conformance checks against the float64 oracle, row by row and in closed form (`OracleChecks`).
+
+- the float64 oracle of the engine's framework (loss, every gradient, metrics; a random
+  non-uniform upstream; odd shapes, padding, duplicates, ids past V, large logits: `parity`);
+- confident rows row by row (`exact_rows_cases`), and rows of logits in the hundreds;
+- zero logits against the closed form of every Loss;
+- a plain `Loss` given as options (gamma 0, smoothing 0) runs the plain code bit for bit;
+- a bad `label_smoothing` is a clear error at the entry.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import exact_rows_cases
+from conformance_engines import (
+    ENGINES,
+    LEAD,
+    LOSSES,
+    closed_form_at_zero_logits,
+    inputs_for,
+    oracle,
+    run,
+    same_dtype_dense,
+)
+from cutbce_common.focal import Focal
+from parity import assert_close, make_upstream
+
+
+class OracleChecks:
+    """The oracle family. Narrow with `dtypes`, `reductions`, `losses` (the oracle check) and
+    `row_losses` (the row-by-row checks); `conformance.EngineConformance` parametrizes them."""
+
+    engine: str
+    dtypes: tuple[str, ...] = ("float32",)
+    reductions: tuple[str, ...] = ("none", "mean", "sum")
+    losses: tuple[str, ...] = tuple(LOSSES)
+    row_losses: tuple[str, ...] = ("focal0.5-balanced", "smoothing0.1", "smoothing0.2-focal1.5-balanced")
+
+    def parametrize(self, metafunc):
+        """Each check over this engine's share of the matrix (`dtypes`, `reductions`, `losses`)."""
+        if "loss_id" in metafunc.fixturenames:
+            ids = self.row_losses if "_rows_" in metafunc.function.__name__ else self.losses
+            metafunc.parametrize("loss_id", ids)
+        if "dtype" in metafunc.fixturenames:
+            metafunc.parametrize("dtype", self.dtypes)
+        if "reduction" in metafunc.fixturenames:
+            metafunc.parametrize("reduction", self.reductions)
+
+    def test_matches_the_float64_oracle(self, loss_id, dtype, reduction):
+        """Loss, every gradient and the metrics within the dtype's tolerance of the oracle, for a
+        random non-uniform upstream. bfloat16 follows CCE's rule: no further from the truth than
+        the dense reference run in bfloat16, + 2e-3."""
+        loss = LOSSES[loss_id]
+        seed = sorted(LOSSES).index(loss_id)
+        inputs = inputs_for(seed, dtype)
+        upstream = make_upstream(reduction, LEAD, seed=seed, dtype=dtype)
+        common = dict(upstream=upstream, reduction=reduction, loss=loss)
+        truth = oracle(self.engine, inputs, **common)
+        fast = run(self.engine, inputs, dtype=dtype, **common)
+        name = f"{self.engine} {dtype} {loss_id} {reduction}"
+        if dtype == "bfloat16":
+            assert_close(fast, same_dtype_dense(self.engine, inputs, dtype=dtype, **common), truth, dtype=dtype,
+                         name=name)
+        else:
+            assert_close(fast, truth, dtype=dtype, name=name)
+
+    def test_confident_rows_row_by_row(self, loss_id):
+        """A positive at z = 5 .. 100 among negatives at -10, and single-item rows at +-31: each
+        float32 row within 1e-5 of its own float64 truth, never below zero; gradients within 1e-5
+        of the largest."""
+        loss = LOSSES[loss_id]
+        for name, case in exact_rows_cases.cases().items():
+            inputs = {k: case[k] for k in ("hidden", "item_weight", "targets", "pos_weight") if case[k] is not None}
+            common = dict(upstream=case["g"], reduction="none", loss=loss, grad_names=("hidden", "item_weight"),
+                          return_metrics=False)
+            truth = oracle(self.engine, inputs, **common)
+            fast = run(self.engine, inputs, dtype="float32", overrides=self.small_tiles(), **common)
+            rows, truth_rows = fast.pop("loss"), truth.pop("loss")
+            exact_rows_cases.check_rows(f"{self.engine}:{name}:{loss_id}", rows, truth_rows, "float32")
+            exact_rows_cases.check_grads(f"{self.engine}:{name}:{loss_id}", fast, truth, "float32")
+
+    def test_large_logit_rows_row_by_row(self, loss_id):
+        """Logits in the hundreds (hidden scaled by 8, one row by 64) with bias: each row within
+        float32's tolerance of the float64 truth on its own, never below zero (smoothing's c |z|
+        and the focal factor meet no cancellation)."""
+        inputs = inputs_for(3, "float32", options=("bias",), scale=8.0)
+        inputs["hidden"][0, 2] *= 8  # a power of two: still representable in the dtype
+        common = dict(upstream=np.zeros(LEAD), reduction="none", loss=LOSSES[loss_id], grad_names=(),
+                      return_metrics=False)
+        rows = run(self.engine, inputs, dtype="float32", **common)["loss"]
+        truth = oracle(self.engine, inputs, **common)["loss"]
+        assert_close(rows, truth, dtype="float32", name=f"{self.engine} {loss_id} rows", elementwise=True)
+        assert (np.asarray(rows) >= 0).all()
+
+    def test_zero_logit_rows_give_the_closed_form(self, loss_id):
+        """z = 0 everywhere: rows of one positive, one duplicated, none (`closed_form_at_zero_logits`)."""
+        n, v = 5, 40
+        targets = np.full((n, 2), -1)
+        targets[1:, 0] = np.arange(1, n) * 7  # row 0: no positive
+        targets[1, 1] = targets[1, 0]  # a duplicate counts once
+        inputs = {"hidden": np.zeros((n, 4)), "item_weight": np.zeros((v, 4)), "targets": targets}
+        loss = LOSSES[loss_id]
+        rows = run(self.engine, inputs, dtype="float32", upstream=np.zeros(n), reduction="none", loss=loss,
+                   grad_names=(), return_metrics=False)["loss"]
+        want = closed_form_at_zero_logits(loss, v, np.minimum(np.arange(n), 1))
+        assert_close(rows, want, dtype="float32", name=f"{self.engine} {loss_id} zero logits", elementwise=True)
+
+    def test_plain_loss_options_run_the_plain_code_bit_for_bit(self):
+        """`Focal(gamma=0)` without balancing and `label_smoothing=0` are plain BCE, bit for bit."""
+        inputs = inputs_for(5)
+        common = dict(dtype="float32", upstream=make_upstream("none", LEAD, seed=5, dtype="float32"),
+                      reduction="none")
+        plain = run(self.engine, inputs, **common)
+        options = run(self.engine, inputs, focal=Focal(0.0, 0.9), label_smoothing=0.0, **common)
+        for key in plain:
+            np.testing.assert_array_equal(options[key], plain[key], err_msg=key)
+
+    @pytest.mark.parametrize("bad,error,match", [
+        (-0.1, ValueError, r"label_smoothing must be in \[0, 1\]"),
+        (1.5, ValueError, r"label_smoothing must be in \[0, 1\]"),
+        (1e-40, ValueError, "label_smoothing must be 0 or at least"),
+        (float("nan"), TypeError, "label_smoothing must be a finite float"),
+        ("0.1", TypeError, "label_smoothing must be a finite float"),
+        (True, TypeError, "label_smoothing must be a finite float"),
+    ])
+    def test_a_bad_label_smoothing_is_a_clear_error(self, bad, error, match):
+        inputs = inputs_for(0, options=())
+        with pytest.raises(error, match=match):
+            run(self.engine, inputs, dtype="float32", upstream=np.zeros(LEAD), reduction="none",
+                label_smoothing=bad, grad_names=(), return_metrics=False)
+
+    def small_tiles(self) -> dict:
+        """Options that make the confident rows' V of 16-ish span several tiles, where the engine
+        takes a tile width."""
+        return dict(block_v=16) if "block_v" in ENGINES[self.engine][2] else {}
