@@ -81,6 +81,9 @@ def test_encode_is_canonical_json_and_decode_inverts_it(o):
 def test_plain_focal_is_stored_as_none():
     # Focal(gamma=0) without balancing is plain BCE: the same options, so the same string.
     assert CutBCEOptions(loss=Loss(Focal(gamma=0.0))).encode() == CutBCEOptions().encode()
+    # So the engines see one Loss (one compiled program); with balancing it stays a focal.
+    assert Loss(Focal(0.0, 0.9)) == Loss() and hash(Loss(Focal(0.0, 0.9))) == hash(Loss())
+    assert Loss(Focal(0.0, 0.9, True)).focal == Focal(0.0, 0.9, True)
 
 
 @pytest.mark.parametrize("text", [

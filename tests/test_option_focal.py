@@ -84,16 +84,6 @@ def test_gammas_at_the_bounds_match_the_oracle(engine, focal, reduction):
 # -- closed forms and special cases --------------------------------------------------------------
 
 
-@pytest.mark.rung1
-@pytest.mark.jax
-def test_jax_config_drops_an_inert_focal():
-    """The JAX engines see `Focal(gamma=0)` without balancing as no focal (one compiled program)."""
-    from jax_kernels.core import CutBCEConfig
-
-    assert CutBCEConfig(block_v=8, loss=Loss(Focal(0.0, 0.9))) == CutBCEConfig(block_v=8)
-    assert CutBCEConfig(block_v=8, loss=Loss(Focal(0.0, 0.9, True))).loss.focal == Focal(0.0, 0.9, True)
-
-
 @pytest.mark.parametrize("engine,dtype", cases(("torch-native", "float64"), ("torch-native", "float32"),
                                                ("jax-blocked", "float32")))
 def test_gamma_zero_with_balancing_is_plain_bce_scaled(engine, dtype):
