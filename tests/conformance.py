@@ -4,7 +4,7 @@ An engine is a key of `conformance_engines.ENGINES` (how its entry is called). A
 mixin class in a `conformance_*.py` module: `OracleChecks` (the float64 oracle, rows row by row,
 closed forms, plain options bit for bit), ... . `EngineConformance` joins them; each engine is a
 subclass that names it (`engine`) and may narrow what it runs (a slow engine runs fewer cases).
-Subclasses live in `test_conformance_torch.py` and `test_conformance_jax.py`, so a new engine
+Subclasses live in the `test_conformance_*.py` files (one per engine group), so a new engine
 inherits every check by adding one class, and a new `Loss` value by adding one entry to `LOSSES`.
 An entry that is no engine of its own (the `CutBCEWithLogitsLoss` module, the dense JAX reference)
 subclasses the families that apply to it.

@@ -1,6 +1,5 @@
-"""The conformance suite (`conformance.EngineConformance`) on every torch engine of one process:
-native, dense, and the torch_xla bridge's blocked and Pallas engines (XLA:CPU; fewer cases: each
-compiles)."""
+"""The conformance suite (`conformance.EngineConformance`) on the torch engines of the CPU: native
+and dense (the torch_xla bridge's: test_conformance_xla.py)."""
 
 from __future__ import annotations
 
@@ -17,19 +16,3 @@ class TestDense(EngineConformance):
     pytestmark = marks("torch-dense")
     engine = "torch-dense"
     reductions = ("none", "mean")
-
-
-class TestXlaBlocked(EngineConformance):
-    pytestmark = marks("xla-blocked")
-    engine = "xla-blocked"
-    reductions = ("none", "mean")
-    losses = ("focal0.5-balanced", "smoothing0.2-focal1.5-balanced")
-    row_losses = ()
-
-
-class TestXlaPallas(EngineConformance):
-    pytestmark = marks("xla-pallas")
-    engine = "xla-pallas"
-    reductions = ("mean",)
-    losses = ("smoothing0.2-focal1.5-balanced",)
-    row_losses = ()
