@@ -29,6 +29,10 @@ ENGINES = {
     "xla-pallas": ("xla", pytest.mark.rung3, dict(backend="xla_pallas", block_v=BLOCK_V)),
     "jax-blocked": ("jax", pytest.mark.rung1, dict(impl="blocked", block_v=BLOCK_V)),
     "jax-pallas": ("jax", pytest.mark.rung2, dict(impl="pallas")),  # 128 x 128 tiles (`_engine_options`)
+    # Entries that are no engine of their own: the module (the native engine behind it) and the dense
+    # JAX reference; they run the families that check an entry (bad input, options).
+    "torch-module": ("torch", pytest.mark.rung1, dict(backend="native", block_v=BLOCK_V)),
+    "jax-dense": ("jax", pytest.mark.rung0, {}),
 }
 
 # Every Loss value the suite runs, by test id: plain, focal (integer and fractional gamma, class
@@ -76,14 +80,24 @@ def run(engine, inputs, *, dtype, upstream, loss=PLAIN, overrides=None, grad_nam
     if framework == "jax":
         import jax_kernels
 
+        entry = jax_kernels.dense_cut_bce if engine == "jax-dense" else jax_kernels.cut_bce
         if engine == "jax-blocked" and dtype != "float64":
-            jitted = _jitted(jax_kernels.cut_bce, **options, **kwargs, return_metrics=return_metrics)
+            jitted = _jitted(entry, **options, **kwargs, return_metrics=return_metrics)
             return run_jax(jitted, inputs, **adapter)
-        return run_jax(jax_kernels.cut_bce, inputs, **adapter, **options, **kwargs)
+        return run_jax(entry, inputs, **adapter, **options, **kwargs)
     from torch_cutbce import cut_bce_with_logits
 
     device = pytest.importorskip("torch_xla").device() if framework == "xla" else "cpu"
-    return run_torch(cut_bce_with_logits, inputs, **adapter, device=device, **options, **kwargs)
+    entry = _module_call if engine == "torch-module" else cut_bce_with_logits
+    return run_torch(entry, inputs, **adapter, device=device, **options, **kwargs)
+
+
+def _module_call(hidden, item_weight, targets, bias, *, weight, class_weight, pos_weight, **options):
+    """`CutBCEWithLogitsLoss(**options)` built and called, in `cut_bce_with_logits`' convention."""
+    from torch_cutbce import CutBCEWithLogitsLoss
+
+    module = CutBCEWithLogitsLoss(pos_weight=pos_weight, class_weight=class_weight, **options)
+    return module(hidden, item_weight, targets, bias, weight)
 
 
 def oracle(engine, inputs, *, upstream, loss=PLAIN, **kwargs):
