@@ -1,4 +1,4 @@
-"""Worker of tests/test_all_exact_rows.py: the sharded paths on the exact-rows cases, results as JSON.
+"""Worker of tests/test_sharded_exact_rows.py: the sharded paths on the exact-rows cases, results as JSON.
 
 - "jax sharded 2x2": `jax_kernels.cut_bce(..., mesh=)` on a 2x2 ('data', 'model') mesh of 4 CPU
   devices (the device count must be set before JAX starts, hence a subprocess);
@@ -99,7 +99,7 @@ def run_vocab_parallel() -> dict:
 
 def main(out_path: str) -> None:
     results = {"vocab-parallel 2 ranks": run_vocab_parallel()}
-    if importlib.util.find_spec("jax") is not None:  # without the [jax] extra, test_all_exact_rows skips that path
+    if importlib.util.find_spec("jax") is not None:  # without the [jax] extra, test_sharded_exact_rows skips that path
         results["jax sharded 2x2"] = run_jax_sharded()
     with open(out_path, "w") as f:
         json.dump(results, f)

@@ -1,5 +1,6 @@
 """The rows that cancelled before issue 11, as numpy inputs with their float64 truth (shared by
-tests/test_all_exact_rows.py and its worker, which runs the sharded JAX and vocab-parallel paths).
+the conformance suite (`conformance_oracle.py`) and tests/test_sharded_exact_rows.py with its worker, which
+runs the sharded JAX and vocab-parallel paths).
 
 - "confident": one positive at logit +z (z = 5, 10, 31, 50, 100) and 49 negatives at -10, the
   positive first or last in the catalog (two tiles / shards);

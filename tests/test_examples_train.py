@@ -23,7 +23,7 @@ for _module in ("tqdm", "matplotlib"):  # the training script's progress bar and
 from examples import config, data, train  # noqa: E402
 
 if importlib.util.find_spec("torch_xla") is not None:
-    # Start torch_xla's runtime before any backward, as test_all_exact_rows.py does: autograd sizes its
+    # Start torch_xla's runtime before any backward, as tests/conftest.py does: autograd sizes its
     # per-device queues at its first backward, and an XLA backward after a CPU one in a process
     # that had not started torch_xla then fails an internal assert.
     import torch_xla
