@@ -23,7 +23,7 @@ pip_quiet -U pip
 # flax for torch_xla's bundled torchax, and the example and test extras.
 pip_quiet -c ci/constraints.txt -e '.[xla,examples,test]'
 # torchvision, only for the focal loss's comparison with torchvision.ops.sigmoid_focal_loss
-# (tests/test_option_focal.py; skipped without it). --no-deps: it must not move torch off 2.9.0.
+# (tests/test_option_definitions.py; skipped without it). --no-deps: it must not move torch off 2.9.0.
 pip_quiet --no-deps -c ci/constraints.txt torchvision
 # libtpu (about 350 MB) in a folder of its own, not in site-packages: JAX finds libtpu by importing
 # it, so only processes that add this folder to PYTHONPATH (the compile-only TPU checks) see it; the

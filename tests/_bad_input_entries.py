@@ -1,53 +1,25 @@
-"""The entry points of the bad-input tests (test_all_bad_input*.py) and how to call each one.
+"""How the bad-input checks (conformance_bad_input.py) call an entry: `call` / `run` take numpy
+arguments and give them to the entry in its framework; `good_arguments` is the valid input each
+check changes one piece of.
 
-An entry is `cut_bce_with_logits` (backend 'native' or 'dense'), `CutBCEWithLogitsLoss`,
-`jax_kernels.cut_bce` (impl 'blocked') or `jax_kernels.dense_cut_bce`; `call` / `run` take numpy
-arguments and convert them to the entry's framework. `good_arguments` is the valid input each test
-changes one piece of.
+An entry is named as its engine in `conformance_engines.ENGINES`: 'torch-native' / 'torch-dense'
+(`cut_bce_with_logits`, backend 'native' / 'dense'), 'torch-module' (`CutBCEWithLogitsLoss`),
+'jax-blocked' / 'jax-pallas' (`jax_kernels.cut_bce`, impl 'blocked' / 'pallas') and 'jax-dense'
+(`jax_kernels.dense_cut_bce`). Unlike `conformance_engines.run`, the arguments reach the entry as
+they are (wrong shapes, dtypes, types, options): its own checks are the subject. torch and jax are
+imported at the first call, so an install without one of them still imports this module.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 
 import numpy as np
-import pytest
-import torch
 
 from parity import to_numpy
-from torch_cutbce import CutBCEWithLogitsLoss, cut_bce_with_logits
 
-# The JAX entries need the [jax] extra. Without jax they carry the `jax` mark and skip (conftest.py)
-# while the torch entries run; with jax, any import error below still fails the module.
-HAVE_JAX = importlib.util.find_spec("jax") is not None
-if HAVE_JAX:
-    import jax
-    import jax.numpy as jnp
-
-    import jax_kernels
-
-ENTRY_NAMES = ("torch-native", "torch-dense", "torch-module", "jax-blocked", "jax-dense")
-TORCH_ENTRIES = ENTRY_NAMES[:3]
-
-
-def entries(names=ENTRY_NAMES):
-    """pytest params for `names`, the JAX ones marked `jax`."""
-    return [pytest.param(name, marks=pytest.mark.jax) if name.startswith("jax") else name for name in names]
-
-
-ENTRIES = entries()
 POSITIONAL = ("hidden", "item_weight", "targets", "bias")
 MODULE_OPTIONS = ("reduction", "pos_weight", "class_weight", "block_v", "backend", "return_metrics")
-FUNCTIONS = {
-    "torch-native": (cut_bce_with_logits, {"backend": "native"}),
-    "torch-dense": (cut_bce_with_logits, {"backend": "dense"}),
-}
-if HAVE_JAX:
-    FUNCTIONS["jax-blocked"] = (jax_kernels.cut_bce, {"impl": "blocked"})
-    FUNCTIONS["jax-dense"] = (jax_kernels.dense_cut_bce, {})
-
-
 # 64-bit dtypes: JAX arrays have them only with x64 on (the session runs with it off, as users do).
 WIDE_DTYPES = ("int64", "uint64", "float64", "complex128")
 
@@ -60,31 +32,64 @@ class Zeros:
     dtype: str
 
 
+def is_torch(entry: str) -> bool:
+    return entry.startswith("torch")
+
+
 def convert(entry, value, dtype=None):
-    """numpy -> the entry's framework (JAX entries take numpy as is: they convert it themselves)."""
-    torch_side = entry.startswith("torch")
+    """numpy -> the entry's framework (JAX entries take numpy as is: they convert it themselves);
+    anything else (a list, a tensor, an option) goes as is."""
     if isinstance(value, Zeros):
-        if torch_side:
-            return torch.zeros(value.shape, dtype=getattr(torch, value.dtype))
-        if value.dtype in WIDE_DTYPES and not jax.config.jax_enable_x64:
-            return np.zeros(value.shape, value.dtype)  # a JAX array cannot hold it with x64 off: numpy can
-        return jnp.zeros(value.shape, getattr(jnp, value.dtype))
+        return _zeros(entry, value)
     if not isinstance(value, np.ndarray):
         return value
     is_float = value.dtype.kind == "f"
-    if torch_side:
+    if is_torch(entry):
+        import torch
+
         t = torch.as_tensor(value)
         return t.to(getattr(torch, dtype)) if dtype and is_float else t
+    import jax.numpy as jnp
+
     return jnp.asarray(value, getattr(jnp, dtype)) if dtype and is_float else value
 
 
+def _zeros(entry, value: Zeros):
+    if is_torch(entry):
+        import torch
+
+        return torch.zeros(value.shape, dtype=getattr(torch, value.dtype))
+    import jax
+    import jax.numpy as jnp
+
+    if value.dtype in WIDE_DTYPES and not jax.config.jax_enable_x64:
+        return np.zeros(value.shape, value.dtype)  # a JAX array cannot hold it with x64 off: numpy can
+    return jnp.zeros(value.shape, getattr(jnp, value.dtype))
+
+
+def _function(entry):
+    """The entry's function and the options that select its engine."""
+    if is_torch(entry):
+        from torch_cutbce import cut_bce_with_logits
+
+        return cut_bce_with_logits, {"backend": entry.removeprefix("torch-")}
+    import jax_kernels
+
+    if entry == "jax-dense":
+        return jax_kernels.dense_cut_bce, {}
+    return jax_kernels.cut_bce, {"impl": entry.removeprefix("jax-")}
+
+
 def call(entry, arguments, dtype=None):
+    """The entry called on `arguments` (numpy, converted; float ones to `dtype` if given)."""
     a = {k: convert(entry, v, dtype) for k, v in arguments.items()}
     positional = [a.pop(k, None) for k in POSITIONAL]
     if entry == "torch-module":
+        from torch_cutbce import CutBCEWithLogitsLoss
+
         options = {k: a.pop(k) for k in MODULE_OPTIONS if k in a}
         return CutBCEWithLogitsLoss(**options)(*positional, **a)
-    fn, defaults = FUNCTIONS[entry]
+    fn, defaults = _function(entry)
     return fn(*positional, **{**defaults, **a})
 
 
@@ -95,15 +100,21 @@ def run(entry, arguments, *, grads=("hidden", "item_weight", "bias"), upstream=N
     `upstream` is the cotangent of the loss (a scalar or an array of shape S); default 1.5.
     """
     names = [k for k in grads if arguments.get(k) is not None]
-    if entry.startswith("torch"):
+    cotangent = 1.5 if upstream is None else upstream
+    if is_torch(entry):
+        import torch
+
         diff = {k: convert(entry, arguments[k], dtype).requires_grad_() for k in names}
         loss = call(entry, {**arguments, **diff}, dtype)
-        g = torch.as_tensor(1.5 if upstream is None else upstream, dtype=loss.dtype)
+        g = torch.as_tensor(cotangent, dtype=loss.dtype)
         values = torch.autograd.grad(loss, list(diff.values()), grad_outputs=g, allow_unused=True)
     else:
+        import jax
+        import jax.numpy as jnp
+
         diff = {k: jnp.asarray(convert(entry, arguments[k], dtype)) for k in names}
         loss, vjp = jax.vjp(lambda d: call(entry, {**arguments, **d}, dtype), diff)
-        (cotangents,) = vjp(jnp.asarray(1.5 if upstream is None else upstream, loss.dtype))
+        (cotangents,) = vjp(jnp.asarray(cotangent, loss.dtype))
         values = [cotangents[k] for k in names]
     out = {"loss": loss, **{f"d_{k}": v for k, v in zip(names, values)}}
     return {k: to_numpy(v) for k, v in out.items()}, {k: str(v.dtype).removeprefix("torch.") for k, v in out.items()}

@@ -1,4 +1,4 @@
-"""The checks of tests/test_all_properties.py's three properties, one example at a time.
+"""The checks of the three properties (conformance_properties.py), one example at a time.
 
 - `check_exact` (A): a spec the documented rules accept must reach the float64 oracle and meet
   `parity.assert_exact_as_dense`; one they refuse must raise exactly an error of
@@ -32,8 +32,8 @@ def names_one_of(error: Exception, names) -> bool:
 
 
 def check_exact(run, example: Example, name: str, engine: str) -> None:
-    """Property A for one example; `run()` returns the path's results on `engine` (an
-    `_properties_examples.ENGINES` name). Records the outcome in OUTCOMES and as a hypothesis event."""
+    """Property A for one example; `run()` returns `engine`'s results (`allowed_refusals` says what
+    it may refuse). Records the outcome in OUTCOMES and as a hypothesis event."""
     s = example.spec
     allowed = allowed_refusals(s, engine)
     if allowed:

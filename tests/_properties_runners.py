@@ -1,4 +1,4 @@
-"""Runs one example of tests/test_all_properties.py through a torch or a JAX path: numpy in, numpy out.
+"""Runs one example of the property-based tests through a torch or a JAX entry: numpy in, numpy out.
 
 `torch_results` and `jax_results` return {loss, tp, fp, fn, tn (with metrics), d_<name>} as float64
 numpy arrays, the gradients taken for the example's random upstream gradient (never ones). The
@@ -82,6 +82,18 @@ def torch_results(example: Example, fn, *, device: str = "cpu", inputs=None, opt
     grads = torch.autograd.grad(loss, list(leaves.values()), grad_outputs=upstream, allow_unused=True,
                                 materialize_grads=True)
     return _results(loss, metrics, {f"d_{k}": g for k, g in zip(leaves, grads)})
+
+
+def bridge_results(example: Example, fn, **kwargs) -> dict:
+    """`torch_results` on XLA tensors (the torch_xla bridge) in the users' JAX configuration: x64 on,
+    thread-locally, only for float64 (the backward, which autograd runs on its own thread, is lowered
+    in the forward's mode)."""
+    import torch_xla
+
+    from parity import jax_x64
+
+    with jax_x64(example.spec.dtype):
+        return torch_results(example, fn, device=torch_xla.device(), **kwargs)
 
 
 # -- JAX -------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Long-lived subprocesses for the sharded properties of tests/test_all_properties.py.
+"""Long-lived subprocesses for the sharded engines' properties (test_jax_mesh_properties.py,
+test_torch_vocab_parallel_properties.py).
 
 Hypothesis runs in the pytest process (so it shrinks and prints as usual); each example's spec is
 sent to a worker, which rebuilds the example (`_properties_examples.build`), runs it and sends back

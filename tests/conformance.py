@@ -1,17 +1,26 @@
 """The conformance suite: every check of an engine written once, run for every engine and `Loss`.
 
 An engine is a key of `conformance_engines.ENGINES` (how its entry is called). A check family is a
-mixin class in a `conformance_*.py` module: `OracleChecks` (the float64 oracle, rows row by row,
-closed forms, plain options bit for bit), ... . `EngineConformance` joins them; each engine is a
-subclass that names it (`engine`) and may narrow what it runs (a slow engine runs fewer cases).
-Subclasses live in the `test_conformance_*.py` files (one per engine group), so a new engine
-inherits every check by adding one class, and a new `Loss` value by adding one entry to `LOSSES`.
-An entry that is no engine of its own (the `CutBCEWithLogitsLoss` module, the dense JAX reference)
-subclasses the families that apply to it.
+mixin class in a `conformance_*.py` module:
+- `OracleChecks` (`conformance_oracle.py`): the float64 oracle for every `Loss`, the rows that
+  cancelled before row by row, large logits, closed forms, plain options bit for bit;
+- `PropertyChecks` (`conformance_properties.py`): hypothesis examples against the oracle, bad
+  arguments one at a time, out-of-range ids under jit equal to padding;
+- `BadInputChecks` (`conformance_bad_input.py`): docs/precision.md's table of bad inputs, and the
+  degenerate but valid ones, at the entry;
+- `OptionChecks` (`conformance_options.py`): each option's own definition (Keras', gamma's bounds)
+  and its bad values.
+`EngineConformance` joins them; each engine is a subclass that names it (`engine`) and narrows what
+it runs by each family's attributes (a slow engine runs fewer cases). Subclasses live in the
+`test_conformance_*.py` files (one per engine group), so a new engine inherits every check by adding
+one class, and a new `Loss` value by adding one entry to `LOSSES`. An entry that is no engine of its
+own (the `CutBCEWithLogitsLoss` module, the dense JAX reference) subclasses the families that apply.
 
-The engines that need a process of their own (the JAX mesh, torch.distributed) run the same
-Loss values in their own files (`test_jax_sharded.py`, `test_torch_sharded.py`,
-`test_torch_dtensor.py`); Pallas compiled for TPU: `test_jax_pallas_tpu_compile.py`.
+The paths whose process is the subject run the same cases in files of their own: the JAX mesh (the
+device count is fixed when JAX starts) and vocab-parallel ranks (`test_sharded_exact_rows.py`,
+`test_jax_mesh_properties.py`, `test_torch_vocab_parallel_properties.py`, `test_jax_sharded.py`,
+`test_torch_sharded.py`, `test_torch_dtensor.py`); Pallas compiled for TPU:
+`test_jax_pallas_tpu_compile.py`.
 """
 
 from __future__ import annotations

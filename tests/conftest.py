@@ -28,13 +28,20 @@ import pytest
 # marker -> (the module it needs, the extra that installs it)
 OPTIONAL = {"jax": ("jax", "jax"), "xla": ("torch_xla", "xla")}
 # `bash ci/test.sh -m fast`: the files that check the core in-process in seconds each (the oracle,
-# both frameworks' engines against it, bad inputs, options, the repository's rules), for a check
+# both frameworks' engines against it, options, the repository's rules), and the conformance
+# families whose checks are as quick (bad input, in every engine class that runs it), for a check
 # while editing; the full run is CI's.
 FAST_MODULES = {
     "test_reference.py", "test_branch_math.py", "test_neutral_options.py", "test_torch_native.py",
-    "test_all_bad_input.py", "test_all_bad_input_accepted.py", "test_repo_hygiene.py", "test_repo_layout.py",
-    "test_docs_links.py", "test_loss_footprint.py",
+    "test_repo_hygiene.py", "test_repo_layout.py", "test_docs_links.py", "test_loss_footprint.py",
 }
+FAST_FAMILIES = {"BadInputChecks"}  # a family's own checks only: not the other families of its classes
+
+
+def is_fast(item) -> bool:
+    function = getattr(item, "function", None)  # the check's function, where the family defined it
+    family = function.__qualname__.split(".")[0] if function is not None else None
+    return item.path.name in FAST_MODULES or family in FAST_FAMILIES
 
 
 def installed(module: str) -> bool:
@@ -53,7 +60,7 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     missing = {marker: (module, extra) for marker, (module, extra) in OPTIONAL.items() if not installed(module)}
     for item in items:
-        if item.path.name in FAST_MODULES:
+        if is_fast(item):
             item.add_marker(pytest.mark.fast)
         for marker, (module, extra) in missing.items():
             if item.get_closest_marker(marker):

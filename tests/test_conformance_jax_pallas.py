@@ -5,12 +5,24 @@ from __future__ import annotations
 
 from conformance import CheckFamilies, EngineConformance, marks
 from conformance_oracle import OracleChecks
+from conformance_properties import PropertyRun
 
 
 class TestPallas(EngineConformance):
     pytestmark = marks("jax-pallas")
     engine = "jax-pallas"
     reductions = ("none", "mean")
+    bad_input_every_entry = False  # `cut_bce`'s checks: TestBlocked's
+    bad_input_entry_checks = ("test_pallas_refuses_float64",)
+    # Each new shape compiles (interpret mode): small budgets, the kernels' dtypes (float64 refused:
+    # the explicit example 'confident-float64').
+    property_runs = (PropertyRun("exact_as_dense", 12, shrink=False, jit=True, dtypes=("float32", "bfloat16"),
+                                 max_n=24, max_v=600, examples=("confident", "refused", "confident-float64")),
+                     PropertyRun("refuses_bad_input", 6, shrink=False, dtypes=("float32", "bfloat16")),
+                     PropertyRun("ignores_bad_ids", 10, shrink=False, max_n=24, max_v=600))
+    # float32 only; each Loss compiles: plain smoothing and its end point (TestBlocked runs all five).
+    option_dtype = "float32"
+    option_keras_cases = ("smoothing0.1", "smoothing1-focal0.5-balanced")
 
 
 class TestPallasBfloat16(CheckFamilies, OracleChecks):

@@ -297,6 +297,13 @@ def test_multi_hot_round_trip():
         multi_hot_to_ids(dense, pad_id=0)
 
 
+def test_target_helpers_report_bad_input():
+    with pytest.raises(TypeError, match="ids must be an integer tensor"):
+        ids_to_multi_hot(torch.zeros(2, 3), 5)
+    with pytest.raises(ValueError, match=r"ids holds item id 5, but num_items=5"):
+        ids_to_multi_hot(torch.tensor([[0, 5]]), 5)
+
+
 def test_one_line_switch_over_from_bce_with_logits_loss():
     """`BCEWithLogitsLoss()(h @ E.T + b, multi_hot)` -> `cut_bce_with_logits(h, E, multi_hot_to_ids(multi_hot), b)`."""
     t = _tensors(make_inputs(LEAD_SHAPE, NUM_ITEMS, HIDDEN_SIZE, NUM_SLOTS, seed=15))

@@ -6,8 +6,9 @@
 - The polynomial log1p against float64 log1p over the whole range it is used on.
 - `NativeCutBCELoss` ('sum' / 'mean': gradients computed in the forward, the backward scales them)
   against the float64 dense oracle for every subset of inputs requiring grad, a non-unit upstream
-  scalar, no_grad, the eager fallback (TORCH_CUTBCE_NO_COMPILE=1, a failing compiler), a second
-  backward through a retained graph, and no recompilation across shapes.
+  scalar, no_grad, the eager fallback (TORCH_CUTBCE_NO_COMPILE=1: the same results for plain BCE
+  and the loss options' tiles; a failing compiler), a second backward through a retained graph,
+  and no recompilation across shapes.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import numpy as np
 import pytest
 import torch
 
+from cutbce_common.focal import Focal
+from cutbce_common.loss import Loss
 from parity import assert_close, make_inputs, make_upstream, run_torch, select
 from torch_cutbce import branch_math, cut_bce_with_logits, dense_bce_with_logits, fused_tile, positives
 
@@ -181,7 +184,14 @@ def test_a_second_backward_through_a_retained_graph_raises():
         loss.backward()
 
 
-def test_eager_fallback_gives_the_same_results(monkeypatch):
+# The compiled tiles per `Loss.form()`: plain BCE (the C kernel where it builds), focal with balancing,
+# and label smoothing with it.
+FALLBACK_LOSSES = {"plain": Loss(), "focal1.5-balanced": Loss(Focal(1.5, 0.25, True)),
+                   "smoothing0.2-focal1.5-balanced": Loss(Focal(1.5, 0.25, True), 0.2)}
+
+
+@pytest.mark.parametrize("loss_id", FALLBACK_LOSSES)
+def test_eager_fallback_gives_the_same_results(monkeypatch, loss_id):
     inputs = select(make_inputs(LEAD_SHAPE, NUM_ITEMS, HIDDEN_SIZE, NUM_SLOTS, seed=33), dtype="float32")
     results = {}
     for mode in ("compiled", "eager"):
@@ -190,9 +200,11 @@ def test_eager_fallback_gives_the_same_results(monkeypatch):
         for reduction in ("mean", "none"):
             upstream = make_upstream(reduction, LEAD_SHAPE, seed=33)
             results[mode, reduction] = run_torch(native, inputs, dtype="float32", upstream=upstream,
-                                                 reduction=reduction, block_v=BLOCK_V)
+                                                 reduction=reduction, block_v=BLOCK_V,
+                                                 **FALLBACK_LOSSES[loss_id].arguments())
     for reduction in ("mean", "none"):
-        assert_close(results["compiled", reduction], results["eager", reduction], dtype="float32", name=reduction)
+        assert_close(results["compiled", reduction], results["eager", reduction], dtype="float32",
+                     name=f"{loss_id} {reduction}")
 
 
 def test_a_failing_compiler_falls_back_to_eager_with_one_warning(monkeypatch):
