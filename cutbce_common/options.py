@@ -1,15 +1,17 @@
 """`CutBCEOptions`: every non-tensor choice of one call, as one value (framework-neutral: plain Python).
 
-The torch custom ops take their tensors plus this value encoded as one `str` (what `torch.library`
-and torch_xla's `call_jax` accept as a static argument), as CCE passes one params dataclass:
-adding an option touches this type, the math, the oracles and the tests, never an op's schema.
-Inside an op `decode` rebuilds the value (the torch_xla bridge then builds the JAX `CutBCEConfig`
-from it with `jax_kernels.core.call_config`).
+The one config type of both frameworks. The torch custom ops take their tensors plus this value
+encoded as one `str` (what `torch.library` and torch_xla's `call_jax` accept as a static argument),
+as CCE passes one params dataclass: adding an option touches this type, the math, the oracles and
+the tests, never an op's schema. Inside an op `decode` rebuilds the value. The JAX engines run on
+the same value, `resolved` for the rows and items a device sees (`jax_kernels.core.OneDevice` or
+`jax_kernels.sharded.ShardedLayout` holds it; the torch_xla bridge resolves the decoded options).
 
-Only static choices belong here, nothing derived from a shape: under `torch.compile` with dynamic
-shapes N is symbolic, and a string cannot hold it without a recompile per N. So `block_v` is the
-caller's (None: each engine sizes the tile for the rows it sees, `shapes.tile_width`), and the
-one-pass divisor N x V travels as a float beside the options.
+Only static choices belong in what the torch side encodes, nothing derived from a shape: under
+`torch.compile` with dynamic shapes N is symbolic, and a string cannot hold it without a recompile
+per N. So `block_v` is the caller's (None: each engine sizes the tile for the rows it sees,
+`shapes.tile_width`, which `resolved` calls inside JAX's trace), and the one-pass divisor N x V
+travels as a float beside the options.
 
 `encode` is canonical JSON (sorted keys, no spaces: equal options give equal strings, a good cache
 key) written with string formatting only, so that `torch.compile(fullgraph=True)` traces it
@@ -23,7 +25,12 @@ import functools
 import json
 from cutbce_common.focal import Focal
 from cutbce_common.loss import Loss
-from cutbce_common.shapes import IMPL_CHOICES, AxisName, check_mesh_axes
+from cutbce_common.shapes import IMPL_CHOICES, AxisName, BlockSizes, check_mesh_axes, tile_width
+
+# The impls `resolved` accepts: an engine, not 'auto' (the names of `jax_kernels.engines.ENGINES`:
+# tests/test_repo_layout.py holds that IMPL_CHOICES is 'auto' and those names).
+ENGINE_NAMES = tuple(name for name in IMPL_CHOICES if name != "auto")
+
 
 @dataclasses.dataclass(frozen=True)
 class CutBCEOptions:
@@ -31,13 +38,21 @@ class CutBCEOptions:
 
     Attributes:
       block_v: the caller's vocabulary tile width, a positive int, or None: a 16 MiB float32 tile
-        for the rows the engine sees (`shapes.tile_width`, called where the engine runs).
+        for the rows the engine sees (`shapes.tile_width`, called where the engine runs; in JAX
+        by `resolved`).
       compute_metrics: also count TP / FP / FN / TN.
       loss: the `cutbce_common.loss.Loss` (what is computed per element; the other fields
         are the route: where and how it runs). The engines hand it unopened to the branch math.
-      impl: the JAX engine behind the torch_xla bridge: 'auto' (Pallas on a TPU for float32 /
-        bfloat16), 'blocked' or 'pallas' (`shapes.choose_impl`); unused by the native engine.
-      mesh_shape, mesh_axes: the torch_xla SPMD mesh's shape and axis names; `()` for one device.
+      impl: the JAX engine (also behind the torch_xla bridge): 'auto' (Pallas on a TPU for
+        float32 / bfloat16), 'blocked' or 'pallas' (`shapes.choose_impl`); an engine name once
+        `resolved`. Unused by the native engine.
+      block_sizes: the Pallas tiles (`shapes.BlockSizes`), None: derived from the chip.
+      cpu_kernel: the JAX blocked loop's float32 tiles run the C kernel (`cpu_tile.c`, through
+        XLA's FFI) when lowered for the CPU; False keeps them in jnp. The torch_xla bridge sets
+        False (`jax_kernels.bridge.jax_static`): its runtime is its own XLA build, where the FFI
+        target is not registered. Unused by the native engine.
+      mesh_shape, mesh_axes: the mesh's shape and axis names (torch_xla's SPMD mesh, or the mesh
+        the JAX entry got); `()` for one device.
       vocab_axis, data_axis: the mesh axes the table and the positions are split on (a name, a
         tuple of names, or None); None without a mesh.
       offset: the global id of the table's first row (a vocabulary-parallel rank's slice start).
@@ -48,6 +63,8 @@ class CutBCEOptions:
     compute_metrics: bool = False
     loss: Loss = Loss()
     impl: str = "auto"
+    block_sizes: BlockSizes | None = None
+    cpu_kernel: bool = True
     mesh_shape: tuple[int, ...] = ()
     mesh_axes: tuple[str, ...] = ()
     vocab_axis: AxisName = None
@@ -65,6 +82,12 @@ class CutBCEOptions:
         self.loss.__post_init__()  # checked again: a frozen dataclass can still be changed
         if self.impl not in IMPL_CHOICES:
             raise ValueError(f"options impl must be one of {IMPL_CHOICES}, got {self.impl!r}")
+        if self.block_sizes is not None:
+            if not isinstance(self.block_sizes, BlockSizes):
+                raise TypeError(f"options block_sizes must be a BlockSizes or None, got {self.block_sizes!r}")
+            self.block_sizes.__post_init__()
+        if not isinstance(self.cpu_kernel, bool):
+            raise TypeError(f"options cpu_kernel must be a bool, got {self.cpu_kernel!r}")
         self._set_mesh()
         _check_int("offset", self.offset, low=0)
         if self.id_limit is not None:
@@ -89,6 +112,15 @@ class CutBCEOptions:
                             ("data_axis", data_axis)):
             object.__setattr__(self, name, value)
 
+    def resolved(self, *, num_positions: int, num_items: int, impl: str) -> CutBCEOptions:
+        """These options as a JAX engine runs them: `block_v` an int, sized by `shapes.tile_width`
+        for the `num_positions` x `num_items` one device sees, and `impl` the engine already chosen
+        (`shapes.choose_impl`: one of `ENGINE_NAMES`, not 'auto')."""
+        if impl not in ENGINE_NAMES:
+            raise ValueError(f"resolved impl must be an engine, one of {ENGINE_NAMES}, got {impl!r}")
+        block_v = tile_width(self.block_v, num_positions, num_items)
+        return dataclasses.replace(self, block_v=block_v, impl=impl)
+
     def encode(self) -> str:
         """Canonical JSON (sorted keys, no spaces), the custom ops' `options` argument."""
         return "{" + ",".join([f'"{name}":{_json(getattr(self, name))}' for name in _FIELDS]) + "}"
@@ -96,7 +128,8 @@ class CutBCEOptions:
 
 _FIELDS = tuple(sorted(field.name for field in dataclasses.fields(CutBCEOptions)))
 # Looked up, not computed, in `_json`: dynamo traces a dict lookup, not `dataclasses.fields`.
-_VALUE_FIELDS = {kind: tuple(sorted(field.name for field in dataclasses.fields(kind))) for kind in (Loss, Focal)}
+_VALUE_FIELDS = {kind: tuple(sorted(field.name for field in dataclasses.fields(kind)))
+                 for kind in (Loss, Focal, BlockSizes)}
 
 
 @functools.lru_cache(maxsize=256)
@@ -117,9 +150,20 @@ def decode(text: str) -> CutBCEOptions:
         if not isinstance(data["loss"], dict):
             raise ValueError(f"loss must be an object of Loss fields, got {data['loss']!r}")
         data["loss"] = Loss.from_arguments(data["loss"])
+        data["block_sizes"] = _block_sizes(data["block_sizes"])
         return CutBCEOptions(**data)
     except (TypeError, ValueError) as error:  # json.JSONDecodeError is a ValueError
         raise ValueError(f"options {text!r} is not a CutBCEOptions.encode() string: {error}") from None
+
+
+def _block_sizes(data) -> BlockSizes | None:
+    """The `block_sizes` JSON value (null or an object of every `BlockSizes` field) as stored."""
+    if data is None:
+        return None
+    if not isinstance(data, dict) or set(data) != set(_VALUE_FIELDS[BlockSizes]):
+        raise ValueError(f"block_sizes must be null or an object with the fields "
+                         f"{list(_VALUE_FIELDS[BlockSizes])}, got {data!r}")
+    return BlockSizes(**data)
 
 
 def _check_int(name: str, value, *, low: int) -> None:
@@ -161,7 +205,7 @@ def _json(value) -> str:
         return f"{value!r}"  # finite (Loss checks): the shortest text that reads back as the same float
     if isinstance(value, str):
         return f'"{value}"'  # checked by _check_name: nothing to escape
-    names = _VALUE_FIELDS.get(type(value))  # the Loss and its parts: their fields, sorted
+    names = _VALUE_FIELDS.get(type(value))  # the Loss and its parts, the BlockSizes: their fields, sorted
     if names is not None:
         return "{" + ",".join([f'"{name}":{_json(getattr(value, name))}' for name in names]) + "}"
     return "[" + ",".join([_json(item) for item in value]) + "]"

@@ -3,14 +3,15 @@
 Both frameworks describe their arrays to `check_arguments` as (shape, dtype name) pairs, so the
 same error messages come out of every entry point. Dtype names are spelled alike in numpy, JAX and
 torch (`str(torch.float32)` without "torch."). Shapes are static under `jax.jit` and under
-torch_xla's lazy tensors, so none of these checks syncs with a device.
+torch_xla's lazy tensors, so none of these checks syncs with a device. The tile choices live here
+too: `tile_width` (the vocabulary tile every engine uses) and `BlockSizes` (the Pallas tiles).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 REDUCTIONS = ("none", "sum", "mean")
 # The one list of accepted dtypes. Complex and float8 are not floating for us (no softplus /
@@ -204,6 +205,60 @@ def default_block_v(num_positions: int, num_items: int, tile_bytes: int = 16 << 
 def tile_width(block_v: int | None, num_positions: int, num_items: int) -> int:
     """The vocabulary tile every engine uses: the user's `block_v`, else `default_block_v`; at most V."""
     return min(block_v or default_block_v(num_positions, num_items), num_items)
+
+
+MIB = 1024 * 1024
+LANES = 128  # TPU vector register: 8 sublanes x 128 lanes of 32-bit words.
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+@dataclass(frozen=True)
+class BlockSizes:
+    """Tile shape and VMEM limit of the Pallas kernels (frozen and hashable: a static argument).
+
+    Here, not beside the kernels (`jax_kernels.pallas.block_sizes` re-exports it), because it is an
+    option of a call (`CutBCEOptions.block_sizes`) and the options import no framework.
+
+    Attributes:
+        block_n: positions per tile; a multiple of 128 (the backward transposes `[block_n, block_v]`
+            tiles and contracts over block_n on the MXU).
+        block_v: items per tile; a multiple of 128 (lanes). Prefer a multiple of the MXU width.
+        vmem_limit_bytes: scoped VMEM limit passed to Mosaic; None keeps the compiler's default
+            (16 MiB on v4/v5e, 32 MiB on v6e), which large tiles exceed.
+    """
+
+    block_n: int
+    block_v: int
+    vmem_limit_bytes: int | None = None
+
+    def __post_init__(self):
+        sizes = {"block_n": self.block_n, "block_v": self.block_v, "vmem_limit_bytes": self.vmem_limit_bytes}
+        for name, value in sizes.items():
+            if value is None and name == "vmem_limit_bytes":  # the compiler's default
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"BlockSizes.{name} must be an int, got {value!r}")
+            # numpy integers become ints: equal sizes hash alike, and `CutBCEOptions.encode` writes them.
+            object.__setattr__(self, name, int(value))
+        block_n, block_v, vmem_limit_bytes = self.block_n, self.block_v, self.vmem_limit_bytes
+        if block_n <= 0 or block_n % LANES:
+            raise ValueError(f"BlockSizes: {block_n=} must be a positive multiple of {LANES}")
+        if block_v <= 0 or block_v % LANES:
+            raise ValueError(f"BlockSizes: {block_v=} must be a positive multiple of {LANES}")
+        if vmem_limit_bytes is not None and not (MIB <= vmem_limit_bytes <= 256 * MIB):
+            raise ValueError(f"BlockSizes: {vmem_limit_bytes=} must lie in [1 MiB, 256 MiB]")
+
+    def clipped(self, n: int, v: int) -> BlockSizes:
+        """The same config with tiles no larger than the (128-aligned) problem, so that a small N or
+        V does not pay for a mostly empty tile."""
+        return replace(
+            self,
+            block_n=min(self.block_n, _round_up(max(n, 1), LANES)),
+            block_v=min(self.block_v, _round_up(max(v, 1), LANES)),
+        )
 
 
 def accumulation_dtype_name(dtype_name: str) -> str:

@@ -6,8 +6,9 @@ import dataclasses
 import functools
 
 from jax_kernels.arguments import engine_operands, prepare, resolve_impl
-from jax_kernels.core import call_config, cut_bce_rows, cut_bce_weighted_sum
+from jax_kernels.core import OneDevice, cut_bce_rows, cut_bce_weighted_sum
 from cutbce_common.loss import Loss
+from cutbce_common.options import CutBCEOptions
 from jax_kernels.reduction import finish
 from jax_kernels.sharded import sharded_loss
 
@@ -63,7 +64,8 @@ def cut_bce(
         too, bool not; default: a 16 MiB float32 tile).
       impl: 'auto' (Pallas on TPU, blocked elsewhere), 'blocked', or 'pallas' (Mosaic kernels on
         TPU; the same kernels in interpret mode when lowered for another platform).
-      block_sizes: Pallas tile sizes (`jax_kernels.pallas.block_sizes.BlockSizes`), None = derived.
+      block_sizes: Pallas tile sizes (a `BlockSizes`, from `jax_kernels.pallas.block_sizes` or
+        `cutbce_common.shapes`), None = derived.
       mesh: a `jax.sharding.Mesh` to run sharded: each device loops over its slice of the item
         table (split along V on `vocab_axis`) and of the positions (split on `data_axis`); the
         table is never gathered. 'infer': the mesh of the inputs' `NamedSharding`, of a traced
@@ -90,21 +92,22 @@ def cut_bce(
                       reduction=reduction, block_v=block_v, num_items=num_items)
     hidden, item_weight, targets, bias = a["hidden"], a["item_weight"], a["targets"], a["bias"]
     weight, class_weight, pos_weight = a["weight"], a["class_weight"], a["pos_weight"]
-    block_v = size.block_v
+    # The call's options, the engine chosen here (its errors name impl); the tile is sized below
+    # (`resolved`) for the rows and items a device sees.
+    options = CutBCEOptions(block_v=size.block_v, compute_metrics=bool(return_metrics), loss=loss,
+                            impl=resolve_impl(impl, hidden.dtype), block_sizes=block_sizes)
     if mesh is not None and size.num_positions and size.hidden_size:  # an empty problem needs no mesh
-        return sharded_loss(size, a, mesh=mesh, vocab_axis=vocab_axis, data_axis=data_axis, reduction=reduction,
-                            return_metrics=return_metrics, impl=impl, block_sizes=block_sizes, loss=loss,
-                            num_items=num_items)
+        return sharded_loss(size, a, options, mesh=mesh, vocab_axis=vocab_axis, data_axis=data_axis,
+                            reduction=reduction, num_items=num_items)
     if num_items is not None and num_items < size.num_items:  # one device: the padding rows go
         num_items = int(num_items)
         item_weight, bias, class_weight, pos_weight = (
             None if x is None else x[:num_items] for x in (item_weight, bias, class_weight, pos_weight))
         size = dataclasses.replace(size, num_items=num_items)
-    config = call_config(block_v=block_v, num_positions=size.num_positions, num_items=size.num_items,
-                         impl=resolve_impl(impl, hidden.dtype), compute_metrics=return_metrics,
-                         block_sizes=block_sizes, loss=loss)
+    place = OneDevice(options.resolved(num_positions=size.num_positions, num_items=size.num_items,
+                                       impl=options.impl))
     operands = engine_operands(size, hidden, item_weight, targets, bias, class_weight, pos_weight)
     # 'sum' / 'mean' take core.cut_bce_weighted_sum: the gradients computed during the forward.
-    return finish(functools.partial(cut_bce_rows, config), functools.partial(cut_bce_weighted_sum, config),
+    return finish(functools.partial(cut_bce_rows, place), functools.partial(cut_bce_weighted_sum, place),
                   operands, weight, reduction, size.lead_shape, size.num_items, return_metrics)
 

@@ -5,15 +5,18 @@ TorchTPU's `jax_op` (the torch half, fakes and autograd rules: `torch_cutbce/bri
     rows_backward   jax_backward      (d_hidden, d_items, d_bias)        place.backward
     weighted_sum    jax_weighted_sum  (loss, counts, rows, grads...)     place.value_and_grad
 
-Each op's `options: str` (`CutBCEOptions.encode()`) becomes `place` (`jax_static`): the JAX
-`CutBCEConfig` for one device, or a `sharded.ShardedLayout` around it under a mesh; both run the
-same engines. Output structures never vary with the options (a missing d_bias is an empty
+Each op's `options: str` (`CutBCEOptions.encode()`) becomes `place` (`jax_static`): the decoded
+options, resolved, in a `core.OneDevice` for one device or a `sharded.ShardedLayout` under a mesh;
+both run the same engines. Output structures never vary with the options (a missing d_bias is an empty
 placeholder): torch_xla 2.9's `call_jax` keeps one output tree per function, and a `jax_op`'s
 schema is its return annotation. The functions are module-level: `call_jax` caches lowerings by
 `id(fn)`. Never imports torch.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -74,18 +77,21 @@ def resolve_impl(options: CutBCEOptions, dtype_name: str, on_tpu: bool) -> str:
 
 
 def jax_static(options: str, num_positions: int, num_items: int, dtype_name: str, on_tpu: bool) -> dict:
-    """The JAX functions' keyword arguments for an op's `options` string: `place`, the config (one
-    device) or the sharded layout around it (a mesh); hashable (`call_jax`'s cache key)."""
+    """The JAX functions' keyword arguments for an op's `options` string: `place`, the resolved
+    options on one device (`core.OneDevice`) or on the mesh they name (`sharded.abstract_layout`);
+    hashable (`call_jax`'s cache key)."""
+    return {"place": _place(options, num_positions, num_items, dtype_name, on_tpu)}
+
+
+@functools.lru_cache(maxsize=256)  # the ops build it on every call: resolving checks every field again
+def _place(options: str, num_positions: int, num_items: int, dtype_name: str, on_tpu: bool):
     o = decode(options)
     # cpu_kernel=False: neither bridge's runtime registers the blocked loop's C kernel (an XLA FFI
-    # target of jax's own CPU client); the jnp tiles compute the same. call_config sizes a default
-    # tile for the whole problem (N x V), as the torch entry once did.
-    config = jax_core.call_config(block_v=o.block_v, num_positions=num_positions, num_items=num_items,
-                                  impl=resolve_impl(o, dtype_name, on_tpu), compute_metrics=o.compute_metrics,
-                                  loss=o.loss, cpu_kernel=False)
-    if not o.mesh_shape:
-        return {"place": config}
-    return {"place": jax_sharded.abstract_layout(o.mesh_shape, o.mesh_axes, o.vocab_axis, o.data_axis, config)}
+    # target of jax's own CPU client); the jnp tiles compute the same. A default tile is sized for
+    # the whole problem (N x V), also under a mesh, as the torch entry once did.
+    resolved = dataclasses.replace(o, cpu_kernel=False).resolved(
+        num_positions=num_positions, num_items=num_items, impl=resolve_impl(o, dtype_name, on_tpu))
+    return jax_sharded.abstract_layout(resolved) if resolved.mesh_shape else jax_core.OneDevice(resolved)
 
 
 def enable_x64(on: bool):

@@ -9,6 +9,8 @@ exact loss inside its tile, positives included (`positives.py`).
 `cut_bce_weighted_sum` serves the scalar reductions: their row gradients are known up front, so
 `cut_bce_value_and_grad` computes loss and gradients with one fewer pass over the tiles (blocked:
 one loop instead of two; Pallas: two kernels instead of three).
+Every entry runs resolved options (`cutbce_common.options.CutBCEOptions.resolved`: the one config
+type of both frameworks); `OneDevice` holds them as the custom_vjps' one-device place.
 
 Per-position `weight` is not seen here: rows are computed with `w[n, v] = class_weight[v]`, and the
 caller multiplies by `weight[n]` in plain JAX / torch, where autodiff gives `weight` its gradient.
@@ -23,68 +25,49 @@ import jax
 import jax.numpy as jnp
 
 from jax_kernels import positives
-from cutbce_common.loss import PLAIN, Loss
+from cutbce_common.options import CutBCEOptions
 from jax_kernels.engines import ENGINES, engine_for
-from cutbce_common.shapes import tile_width
 
 IMPLS = tuple(ENGINES)
 
 
-@dataclasses.dataclass(frozen=True)
-class CutBCEConfig:
-    """Static options of one call (hashable: a `nondiff_argnums` of the custom_vjp and a `call_jax` key).
+def check_resolved(options) -> None:
+    """The entries below run resolved options only (`CutBCEOptions.resolved`): a tile width and an engine."""
+    if not isinstance(options, CutBCEOptions):
+        raise TypeError(f"options must be a CutBCEOptions, got {options!r}")
+    if options.block_v is None or options.impl not in IMPLS:
+        raise ValueError(
+            f"options must be resolved (CutBCEOptions.resolved: block_v an int, impl one of {IMPLS}), "
+            f"got block_v={options.block_v!r}, impl={options.impl!r}"
+        )
 
-    Attributes:
-      block_v: vocabulary tile of the blocked implementation.
-      compute_metrics: also produce the per-position counts.
-      impl: 'blocked' (pure JAX) or 'pallas' (Mosaic on TPU, `interpret=True` elsewhere).
-      block_sizes: Pallas tile sizes (a `jax_kernels.pallas.block_sizes.BlockSizes`), None = derived.
-      loss: the `cutbce_common.loss.Loss` (plain BCE by default), handed unopened to the
-        branch math; a plain Loss runs the plain code, bit for bit.
-      cpu_kernel: the blocked loop's float32 tiles run the C kernel (`cpu_tile.c`, through XLA's
-        FFI) when lowered for the CPU; False keeps them in jnp. The torch_xla bridge sets False:
-        its runtime is its own XLA build, where the FFI target is not registered.
+
+@dataclasses.dataclass(frozen=True)
+class OneDevice:
+    """One device as the place of the custom_vjps below (`sharded.ShardedLayout` is the other: a mesh).
+
+    Hashable (a `nondiff_argnums` of the custom_vjps and a `call_jax` key): it holds only the
+    resolved `options` (`CutBCEOptions.resolved`), the one config type.
     """
 
-    block_v: int
-    compute_metrics: bool = False
-    impl: str = "blocked"
-    block_sizes: object = None
-    loss: Loss = PLAIN
-    cpu_kernel: bool = True
+    options: CutBCEOptions
 
     def __post_init__(self):
-        if self.impl not in IMPLS:
-            raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
-        if not isinstance(self.block_v, int) or self.block_v < 1:
-            raise ValueError(f"block_v must be a positive int, got {self.block_v!r}")
-        if not isinstance(self.loss, Loss):
-            raise TypeError(f"loss must be a Loss, got {self.loss!r}")
+        check_resolved(self.options)
 
-    # A place to run (one device); `sharded.ShardedLayout` is the other (a mesh). The custom_vjps
-    # below take either and call these three.
     def forward(self, *operands):
-        return cut_bce_forward(*operands, config=self)
+        return cut_bce_forward(*operands, options=self.options)
 
     def backward(self, *operands_and_g):
-        return cut_bce_backward(*operands_and_g, config=self)
+        return cut_bce_backward(*operands_and_g, options=self.options)
 
     def value_and_grad(self, *operands_and_g):
-        return cut_bce_value_and_grad(*operands_and_g, config=self)
+        return cut_bce_value_and_grad(*operands_and_g, options=self.options)
 
 
-def call_config(*, block_v, num_positions, num_items, impl, compute_metrics, block_sizes=None, loss=PLAIN,
-                cpu_kernel=True) -> CutBCEConfig:
-    """The one place a call's config is built (the entry, its mesh route and the torch_xla bridge):
-    `block_v` is the caller's tile width or None, sized by `shapes.tile_width` for the
-    `num_positions` x `num_items` each device sees; `impl` an engine name, already resolved."""
-    return CutBCEConfig(block_v=tile_width(block_v, num_positions, num_items), compute_metrics=compute_metrics,
-                        impl=impl, block_sizes=block_sizes, loss=loss, cpu_kernel=cpu_kernel)
-
-
-def _metric_counts(config, counted, ids, num_items):
+def _metric_counts(options, counted, ids, num_items):
     """`[4, N]` TP, FP, FN, TN from the tiles' `[predicted, hits]` (or the `[0, N]` placeholder)."""
-    if not config.compute_metrics:
+    if not options.compute_metrics:
         return jnp.zeros((0, ids.shape[0]), jnp.float32)
     predicted, hits = counted
     num_pos = positives.num_positives(ids)
@@ -106,33 +89,38 @@ def _in_input_dtypes(hidden, item_weight, bias, grads):
     )
 
 
-def cut_bce_forward(hidden, item_weight, targets, bias, class_weight, pos_weight, *, config: CutBCEConfig):
-    """Per-position loss rows (reference.py's formula with weight = 1, the loss `config.loss`).
+def cut_bce_forward(hidden, item_weight, targets, bias, class_weight, pos_weight, *, options: CutBCEOptions):
+    """Per-position loss rows (reference.py's formula with weight = 1, the loss `options.loss`).
 
     Args:
       hidden: `[N, D]`. item_weight: `[V, D]` (same dtype). targets: `[N, L]` int; ids outside
         `[0, V)` are padding. bias, class_weight, pos_weight: `[V]` or None.
+      options: resolved (`CutBCEOptions.resolved`); the engine reads block_v, compute_metrics,
+        impl, block_sizes, loss and cpu_kernel.
 
     Returns:
       `rows [N]` in the accumulation dtype (float32, or float64 for float64 inputs), and with
-      `config.compute_metrics` a `[4, N]` float32 array of unweighted TP, FP, FN, TN counts
+      `options.compute_metrics` a `[4, N]` float32 array of unweighted TP, FP, FN, TN counts
       (else a `[0, N]` placeholder, so the output structure is always the same pair).
     """
+    check_resolved(options)
     ids = positives.positive_ids(targets, item_weight.shape[0])
-    engine = engine_for(config.impl, hidden)
-    rows, counted = engine.forward(config, hidden, item_weight, ids, bias, class_weight, pos_weight)
-    return rows, _metric_counts(config, counted, ids, item_weight.shape[0])
+    engine = engine_for(options.impl, hidden)
+    rows, counted = engine.forward(options, hidden, item_weight, ids, bias, class_weight, pos_weight)
+    return rows, _metric_counts(options, counted, ids, item_weight.shape[0])
 
 
-def cut_bce_backward(hidden, item_weight, targets, bias, class_weight, pos_weight, g, *, config: CutBCEConfig):
+def cut_bce_backward(hidden, item_weight, targets, bias, class_weight, pos_weight, g, *, options: CutBCEOptions):
     """Gradients of `sum_n g[n] rows[n]`: `(d_hidden, d_item_weight, d_bias or None)` in the input dtypes."""
+    check_resolved(options)
     ids = positives.positive_ids(targets, item_weight.shape[0])
-    engine = engine_for(config.impl, hidden)
-    grads = engine.backward(config, hidden, item_weight, ids, bias, class_weight, pos_weight, g)
+    engine = engine_for(options.impl, hidden)
+    grads = engine.backward(options, hidden, item_weight, ids, bias, class_weight, pos_weight, g)
     return _in_input_dtypes(hidden, item_weight, bias, grads)
 
 
-def cut_bce_value_and_grad(hidden, item_weight, targets, bias, class_weight, pos_weight, g, *, config: CutBCEConfig):
+def cut_bce_value_and_grad(hidden, item_weight, targets, bias, class_weight, pos_weight, g, *,
+                           options: CutBCEOptions):
     """`cut_bce_forward`'s `(rows, counts)` and the gradients of `sum_n g[n] rows[n]`, in one pass.
 
     For a row gradient `g [N]` known before the forward (scalar reductions) no tile is computed
@@ -146,10 +134,11 @@ def cut_bce_value_and_grad(hidden, item_weight, targets, bias, class_weight, pos
       kernel rounds once to the table's dtype (a float32 copy would be a table-sized HBM buffer):
       the caller scales them by the upstream scalar in float32 and rounds to each input's dtype.
     """
+    check_resolved(options)
     ids = positives.positive_ids(targets, item_weight.shape[0])
-    engine = engine_for(config.impl, hidden)
-    rows, counted, *grads = engine.value_and_grad(config, hidden, item_weight, ids, bias, class_weight, pos_weight, g)
-    counts = _metric_counts(config, counted, ids, item_weight.shape[0])
+    engine = engine_for(options.impl, hidden)
+    rows, counted, *grads = engine.value_and_grad(options, hidden, item_weight, ids, bias, class_weight, pos_weight, g)
+    counts = _metric_counts(options, counted, ids, item_weight.shape[0])
     return (rows, counts), tuple(grads)
 
 
@@ -157,7 +146,7 @@ def cut_bce_value_and_grad(hidden, item_weight, targets, bias, class_weight, pos
 def cut_bce_rows(place, hidden, item_weight, targets, bias, class_weight, pos_weight):
     """Differentiable rows: gradients reach hidden, item_weight and bias.
 
-    `place`: a `CutBCEConfig` (one device) or a `sharded.ShardedLayout` (a mesh), hashable; its
+    `place`: a `OneDevice` or a `sharded.ShardedLayout` (a mesh), hashable; its
     `forward` / `backward` run there (the one custom_vjp pair of both). class_weight and pos_weight
     are constants here (their cotangents are zero); targets get none.
     """

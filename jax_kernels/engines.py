@@ -1,7 +1,7 @@
 """The JAX engine registry: name -> engine, each saying what it supports.
 
 `core` looks the engine up once per call (`engine_for`); the entries (`api.cut_bce`, the sharded
-route, the torch_xla bridge) only name one through `CutBCEConfig.impl`. Every engine computes the
+route, the torch_xla bridge) only name one through the resolved `CutBCEOptions.impl`. Every engine computes the
 same three things on `[N, D]` / `[V, D]` operands and deduplicated ids `[N, L]`: the rows (and the
 tiles' `[predicted, hits]` counts), the gradients of `sum_n g[n] rows[n]`, and both in one pass.
 """
@@ -21,11 +21,11 @@ class Engine:
     """One way to run the tiles.
 
     Attributes:
-      name: what `CutBCEConfig.impl` calls it.
+      name: what a resolved `CutBCEOptions.impl` calls it.
       dtypes: the input dtype names it takes (None: every float dtype).
       takes_empty: whether it runs N = 0 or D = 0 (the kernels need a row and a hidden unit to tile;
         the blocked loop gives the same trivial result).
-      forward: `(config, hidden, item_weight, ids, bias, class_weight, pos_weight)` ->
+      forward: `(options, hidden, item_weight, ids, bias, class_weight, pos_weight)` ->
         `(rows [N], [predicted, hits] [2, N] or None)`.
       backward: the same operands and `g [N]` -> `(d_hidden, d_item_weight, d_bias or None)`.
       value_and_grad: the same operands and `g` -> `(rows, counts or None, d_hidden, d_item_weight,
@@ -46,57 +46,57 @@ class Engine:
         return self.takes_empty or (hidden.shape[0] > 0 and hidden.shape[1] > 0)
 
 
-def _blocked_forward(config, hidden, item_weight, ids, bias, class_weight, pos_weight):
+def _blocked_forward(options, hidden, item_weight, ids, bias, class_weight, pos_weight):
     from jax_kernels.blocked.loop import blocked_forward
 
-    return blocked_forward(hidden, item_weight, ids, bias, class_weight, pos_weight, block_v=config.block_v,
-                           compute_counts=config.compute_metrics, loss=config.loss,
-                           cpu_kernel=config.cpu_kernel)
+    return blocked_forward(hidden, item_weight, ids, bias, class_weight, pos_weight, block_v=options.block_v,
+                           compute_counts=options.compute_metrics, loss=options.loss,
+                           cpu_kernel=options.cpu_kernel)
 
 
-def _blocked_backward(config, hidden, item_weight, ids, bias, class_weight, pos_weight, g):
+def _blocked_backward(options, hidden, item_weight, ids, bias, class_weight, pos_weight, g):
     from jax_kernels.blocked.loop import blocked_backward
 
-    return blocked_backward(hidden, item_weight, ids, bias, class_weight, pos_weight, g, block_v=config.block_v,
-                            loss=config.loss, cpu_kernel=config.cpu_kernel)
+    return blocked_backward(hidden, item_weight, ids, bias, class_weight, pos_weight, g, block_v=options.block_v,
+                            loss=options.loss, cpu_kernel=options.cpu_kernel)
 
 
-def _blocked_value_and_grad(config, hidden, item_weight, ids, bias, class_weight, pos_weight, g):
+def _blocked_value_and_grad(options, hidden, item_weight, ids, bias, class_weight, pos_weight, g):
     from jax_kernels.blocked.loop import blocked_value_and_grad
 
     return blocked_value_and_grad(hidden, item_weight, ids, bias, class_weight, pos_weight, g,
-                                  block_v=config.block_v, compute_counts=config.compute_metrics,
-                                  loss=config.loss, cpu_kernel=config.cpu_kernel)
+                                  block_v=options.block_v, compute_counts=options.compute_metrics,
+                                  loss=options.loss, cpu_kernel=options.cpu_kernel)
 
 
-def _counted(config, predicted, hits):
+def _counted(options, predicted, hits):
     """The Pallas kernels' two count vectors as the blocked loop's `[2, N]` (or None)."""
-    return jnp.stack([predicted, hits]) if config.compute_metrics else None
+    return jnp.stack([predicted, hits]) if options.compute_metrics else None
 
 
-def _pallas_forward(config, hidden, item_weight, ids, bias, class_weight, pos_weight):
+def _pallas_forward(options, hidden, item_weight, ids, bias, class_weight, pos_weight):
     from jax_kernels.pallas.launch import pallas_forward
 
     rows, predicted, hits = pallas_forward(hidden, item_weight, ids, bias, class_weight, pos_weight,
-                                           compute_counts=config.compute_metrics,
-                                           block_sizes=config.block_sizes, loss=config.loss)
-    return rows, _counted(config, predicted, hits)
+                                           compute_counts=options.compute_metrics,
+                                           block_sizes=options.block_sizes, loss=options.loss)
+    return rows, _counted(options, predicted, hits)
 
 
-def _pallas_backward(config, hidden, item_weight, ids, bias, class_weight, pos_weight, g):
+def _pallas_backward(options, hidden, item_weight, ids, bias, class_weight, pos_weight, g):
     from jax_kernels.pallas.launch import pallas_backward
 
     return pallas_backward(hidden, item_weight, ids, bias, class_weight, pos_weight, g,
-                           block_sizes=config.block_sizes, loss=config.loss)
+                           block_sizes=options.block_sizes, loss=options.loss)
 
 
-def _pallas_value_and_grad(config, hidden, item_weight, ids, bias, class_weight, pos_weight, g):
+def _pallas_value_and_grad(options, hidden, item_weight, ids, bias, class_weight, pos_weight, g):
     from jax_kernels.pallas.launch import pallas_value_and_grad
 
     rows, predicted, hits, *grads = pallas_value_and_grad(
-        hidden, item_weight, ids, bias, class_weight, pos_weight, g, compute_counts=config.compute_metrics,
-        block_sizes=config.block_sizes, loss=config.loss)
-    return (rows, _counted(config, predicted, hits), *grads)
+        hidden, item_weight, ids, bias, class_weight, pos_weight, g, compute_counts=options.compute_metrics,
+        block_sizes=options.block_sizes, loss=options.loss)
+    return (rows, _counted(options, predicted, hits), *grads)
 
 
 # The engines load lazily: the Pallas modules import jax.experimental.pallas, which a blocked-only

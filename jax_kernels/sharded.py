@@ -23,10 +23,8 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_kernels.arguments import engine_operands, resolve_impl
+from jax_kernels.arguments import engine_operands
 from jax_kernels.core import (
-    CutBCEConfig,
-    call_config,
     cut_bce_backward,
     cut_bce_forward,
     cut_bce_rows,
@@ -34,6 +32,7 @@ from jax_kernels.core import (
     cut_bce_weighted_sum,
 )
 from jax_kernels.reduction import finish
+from cutbce_common.options import CutBCEOptions
 from cutbce_common.shapes import AxisName, check_mesh_axes, mesh_axis_names
 
 
@@ -44,23 +43,34 @@ class ShardedLayout:
     Attributes:
       mesh: a `jax.sharding.Mesh`, or an `AbstractMesh` (enough to lower: the torch_xla bridge
         passes one built from the torch_xla mesh's shape and axis names, no JAX devices needed).
-      vocab_axis: mesh axis (or tuple of axes) the item table is split along V, or None.
-      data_axis: mesh axis (or tuple of axes) the positions are split along, or None.
-      config: the per-shard kernel options (`block_v` is the local tile width).
+      options: the call's resolved options (`CutBCEOptions.resolved`: `block_v` is the local tile
+        width), whose `mesh_shape` / `mesh_axes` are the mesh's and whose `vocab_axis` (the axis or
+        axes the item table is split along V) and `data_axis` (the positions') the layout reads.
       num_items: the catalog size V when the table carries padding rows after it (a table held
         sharded in JAX must divide evenly); None: every row of the table is an item.
     """
 
     mesh: object
-    vocab_axis: AxisName
-    data_axis: AxisName
-    config: CutBCEConfig
+    options: CutBCEOptions
     num_items: int | None = None
 
     def __post_init__(self):
-        check_mesh_axes(self.mesh.axis_names, self.vocab_axis, self.data_axis)
+        ours = mesh_fields(self.mesh)
+        if (self.options.mesh_shape, self.options.mesh_axes) != (ours["mesh_shape"], ours["mesh_axes"]):
+            raise ValueError(
+                f"options mesh_shape={self.options.mesh_shape} / mesh_axes={self.options.mesh_axes} are not "
+                f"the layout's mesh {ours['mesh_shape']} / {ours['mesh_axes']}"
+            )
 
-    # A place to run for `core`'s custom_vjp pair (as `CutBCEConfig` is for one device): the
+    @property
+    def vocab_axis(self) -> AxisName:
+        return self.options.vocab_axis
+
+    @property
+    def data_axis(self) -> AxisName:
+        return self.options.data_axis
+
+    # A place to run for `core`'s custom_vjp pair (as `core.OneDevice` is for one device): the
     # layout wraps the one pair, it does not rewrite it.
     def forward(self, *operands):
         return sharded_forward(*operands, layout=self)
@@ -80,22 +90,28 @@ class ShardedLayout:
         return axis_size(self.mesh, self.data_axis)
 
 
+def mesh_fields(mesh) -> dict:
+    """`mesh` as the `CutBCEOptions` fields that describe it (`mesh_shape`, `mesh_axes`)."""
+    return {"mesh_shape": tuple(mesh.shape[name] for name in mesh.axis_names), "mesh_axes": tuple(mesh.axis_names)}
+
+
 def axis_size(mesh, axis: AxisName) -> int:
     """Number of shards along `axis` (a name, a tuple of names, or None -> 1)."""
     return math.prod(mesh.shape[name] for name in mesh_axis_names(axis))
 
 
-def abstract_layout(mesh_shape, axis_names, vocab_axis: AxisName, data_axis: AxisName, config: CutBCEConfig):
-    """A layout over an `AbstractMesh` (shape and axis names only): what the torch_xla bridge builds.
+def abstract_layout(options: CutBCEOptions) -> ShardedLayout:
+    """A layout over an `AbstractMesh` of `options.mesh_shape` / `mesh_axes` (resolved options):
+    what the torch_xla bridge builds.
 
     Lowering a shard_map needs no JAX devices when its mesh is abstract; torch_xla's SPMD partitioner
     then places the shards on its own devices `0 .. prod(mesh_shape) - 1` in row-major order (the
     order of `torch_xla.distributed.spmd.Mesh(np.arange(n), mesh_shape, axis_names)`).
     """
     # Auto axes said outright: since jax 0.8.1 an AbstractMesh's axes default to Explicit.
-    auto = (AxisType.Auto,) * len(axis_names)
-    mesh = jax.sharding.AbstractMesh(tuple(int(s) for s in mesh_shape), tuple(axis_names), axis_types=auto)
-    return ShardedLayout(mesh, vocab_axis, data_axis, config)
+    auto = (AxisType.Auto,) * len(options.mesh_axes)
+    mesh = jax.sharding.AbstractMesh(options.mesh_shape, options.mesh_axes, axis_types=auto)
+    return ShardedLayout(mesh, options)
 
 
 def infer_mesh(*arrays):
@@ -204,7 +220,7 @@ def _padded(layout, hidden, item_weight, targets, bias, class_weight, pos_weight
         class_weight = _pad_rows(class_weight, padded_items)
         if num_items < table_rows:
             class_weight = class_weight.at[num_items:].set(0)
-    if num_items < table_rows and layout.config.compute_metrics:
+    if num_items < table_rows and layout.options.compute_metrics:
         # The loss ignores the caller's padding rows whatever they hold (class weight 0), but the
         # counts see z > 0 of every row: zero them so that they count as our zero padding does.
         real = jnp.arange(table_rows) < num_items
@@ -252,20 +268,20 @@ def _summed_grads(layout, d_hidden, d_items, d_bias):
 
 def _forward_body(layout, hidden, item_weight, targets, bias, class_weight, pos_weight):
     local = _local_targets(layout, targets, item_weight.shape[0])
-    rows, counts = cut_bce_forward(hidden, item_weight, local, bias, class_weight, pos_weight, config=layout.config)
+    rows, counts = cut_bce_forward(hidden, item_weight, local, bias, class_weight, pos_weight, options=layout.options)
     return _summed_rows(layout, rows, counts)
 
 
 def _backward_body(layout, hidden, item_weight, targets, bias, class_weight, pos_weight, g):
     local = _local_targets(layout, targets, item_weight.shape[0])
-    grads = cut_bce_backward(hidden, item_weight, local, bias, class_weight, pos_weight, g, config=layout.config)
+    grads = cut_bce_backward(hidden, item_weight, local, bias, class_weight, pos_weight, g, options=layout.options)
     return _summed_grads(layout, *grads)
 
 
 def _value_and_grad_body(layout, hidden, item_weight, targets, bias, class_weight, pos_weight, g):
     local = _local_targets(layout, targets, item_weight.shape[0])
     (rows, counts), grads = cut_bce_value_and_grad(
-        hidden, item_weight, local, bias, class_weight, pos_weight, g, config=layout.config
+        hidden, item_weight, local, bias, class_weight, pos_weight, g, options=layout.options
     )
     return (_summed_rows(layout, rows, counts), *_summed_grads(layout, *grads))
 
@@ -300,7 +316,7 @@ def sharded_forward(hidden, item_weight, targets, bias, class_weight, pos_weight
 def _rows_and_counts(layout, stacked, n, num_items, padded_items):
     """`(rows [N], counts [4 or 0, N])` from the shard_map's stacked `[1 + 4 or 1, padded N]`."""
     rows, counts = stacked[0, :n], stacked[1:, :n].astype(jnp.float32)
-    if layout.config.compute_metrics and padded_items != num_items:
+    if layout.options.compute_metrics and padded_items != num_items:
         # Padding rows are zero (ours by construction, the caller's zeroed in _padded), so z = 0:
         # never a predicted positive, never a target. TN = rows - positives - FP therefore counted
         # each of them as a true negative of every position.
@@ -345,9 +361,10 @@ def sharded_value_and_grad(hidden, item_weight, targets, bias, class_weight, pos
     return rows_and_counts, (grads[0][:n], grads[1][:table_rows], grads[2][:table_rows] if has_bias else None)
 
 
-def sharded_loss(size, a, *, mesh, vocab_axis: AxisName, data_axis: AxisName, reduction: str,
-                 return_metrics: bool, impl: str, block_sizes, loss, num_items: int | None):
-    """The loss of `jax_kernels.cut_bce(..., mesh=)` on arguments its `prepare` has checked.
+def sharded_loss(size, a, options: CutBCEOptions, *, mesh, vocab_axis: AxisName, data_axis: AxisName,
+                 reduction: str, num_items: int | None):
+    """The loss of `jax_kernels.cut_bce(..., mesh=)` on arguments its `prepare` has checked, with
+    the call's `options` (one device's: no mesh yet, the engine chosen, the tile not yet sized).
 
     Each device loops over its own `V / vocab_shards` items and `N / data_shards` positions; the
     collectives are a constant few per call. `mesh='infer'`: from a concrete input's
@@ -357,7 +374,7 @@ def sharded_loss(size, a, *, mesh, vocab_axis: AxisName, data_axis: AxisName, re
     """
     hidden, item_weight, targets, bias = a["hidden"], a["item_weight"], a["targets"], a["bias"]
     weight, class_weight, pos_weight = a["weight"], a["class_weight"], a["pos_weight"]
-    block_v = size.block_v
+    return_metrics = options.compute_metrics
     catalog = size.num_items if num_items is None else num_items
     if isinstance(mesh, str):
         mesh = infer_mesh(item_weight, hidden)
@@ -371,10 +388,9 @@ def sharded_loss(size, a, *, mesh, vocab_axis: AxisName, data_axis: AxisName, re
     n = size.num_positions
     local_n = -(-n // axis_size(mesh, data_axis))
     local_items = -(-size.num_items // axis_size(mesh, vocab_axis))
-    config = call_config(block_v=block_v, num_positions=local_n, num_items=local_items,
-                         impl=resolve_impl(impl, hidden.dtype), compute_metrics=return_metrics,
-                         block_sizes=block_sizes, loss=loss)
-    layout = ShardedLayout(mesh, vocab_axis, data_axis, config, None if catalog == size.num_items else catalog)
+    on_mesh = dataclasses.replace(options, **mesh_fields(mesh), vocab_axis=vocab_axis, data_axis=data_axis)
+    resolved = on_mesh.resolved(num_positions=local_n, num_items=local_items, impl=options.impl)
+    layout = ShardedLayout(mesh, resolved, None if catalog == size.num_items else catalog)
 
     def loss(hidden, item_weight, targets, bias, class_weight, pos_weight, weight):
         operands = engine_operands(size, hidden, item_weight, targets, bias, class_weight, pos_weight)

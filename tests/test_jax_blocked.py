@@ -171,7 +171,8 @@ def test_nan_in_hidden_propagates():
 @pytest.mark.parametrize("options", ["plain", "all"])
 def test_value_and_grad_equals_forward_then_backward(options):
     """One loop computing rows, counts and gradients for a known row gradient == the two-pass path."""
-    from jax_kernels.core import CutBCEConfig, cut_bce_backward, cut_bce_forward, cut_bce_value_and_grad
+    from cutbce_common.options import CutBCEOptions
+    from jax_kernels.core import cut_bce_backward, cut_bce_forward, cut_bce_value_and_grad
 
     n = int(np.prod(LEAD_SHAPE))
     raw = select(make_inputs(LEAD_SHAPE, NUM_ITEMS, HIDDEN_SIZE, NUM_SLOTS, seed=30), OPTION_SETS[options])
@@ -180,15 +181,34 @@ def test_value_and_grad_equals_forward_then_backward(options):
         operands = (hidden, jnp.asarray(raw["item_weight"]), jnp.asarray(raw["targets"]).reshape(n, NUM_SLOTS),
                     *(None if raw.get(k) is None else jnp.asarray(raw[k]) for k in ("bias", "class_weight", "pos_weight")))
         g = jnp.asarray(make_upstream("none", (n,), seed=30))  # mixed signs, non-uniform
-        config = CutBCEConfig(block_v=BLOCK_V, compute_metrics=True)
-        (rows, counts), grads = cut_bce_value_and_grad(*operands, g, config=config)
-        ref_rows, ref_counts = cut_bce_forward(*operands, config=config)
-        ref_grads = cut_bce_backward(*operands, g, config=config)
+        options = CutBCEOptions(block_v=BLOCK_V, compute_metrics=True, impl="blocked")
+        (rows, counts), grads = cut_bce_value_and_grad(*operands, g, options=options)
+        ref_rows, ref_counts = cut_bce_forward(*operands, options=options)
+        ref_grads = cut_bce_backward(*operands, g, options=options)
     np.testing.assert_array_equal(counts, ref_counts)
     fused = {"rows": rows, **{f"d{i}": x for i, x in enumerate(grads) if x is not None}}
     two_pass = {"rows": ref_rows, **{f"d{i}": x for i, x in enumerate(ref_grads) if x is not None}}
     assert fused.keys() == two_pass.keys()
     assert_close(fused, two_pass, dtype="float64", name="fused vs two passes")
+
+
+def test_core_runs_resolved_options_only():
+    """The entries take `CutBCEOptions.resolved` values: an unsized tile or 'auto' is named, not run."""
+    from cutbce_common.options import CutBCEOptions
+    from jax_kernels.core import OneDevice, cut_bce_forward
+
+    raw = make_inputs(LEAD_SHAPE, NUM_ITEMS, HIDDEN_SIZE, NUM_SLOTS, seed=30)
+    n = int(np.prod(LEAD_SHAPE))
+    operands = (jnp.asarray(raw["hidden"]).reshape(n, HIDDEN_SIZE), jnp.asarray(raw["item_weight"]),
+                jnp.asarray(raw["targets"]).reshape(n, NUM_SLOTS), None, None, None)
+    for unresolved in (CutBCEOptions(impl="blocked"), CutBCEOptions(block_v=BLOCK_V)):
+        with pytest.raises(ValueError, match="options must be resolved .*CutBCEOptions.resolved"):
+            cut_bce_forward(*operands, options=unresolved)
+        with pytest.raises(ValueError, match="options must be resolved"):
+            OneDevice(unresolved)
+    resolved = CutBCEOptions().resolved(num_positions=n, num_items=NUM_ITEMS, impl="blocked")
+    rows, _ = OneDevice(resolved).forward(*operands)
+    assert rows.shape == (n,) and resolved.block_v == NUM_ITEMS  # the default tile, at most V
 
 
 def _count_loops(fn, *args):

@@ -1,5 +1,7 @@
-"""Rung L2: the Pallas tile sizes (jax_kernels/pallas/block_sizes.py): `BlockSizes` validates and
-hashes, and `default_block_sizes` fits every chip's VMEM budget with balanced, aligned tiles.
+"""Rung L2: the Pallas tile sizes (jax_kernels/pallas/block_sizes.py): `BlockSizes` (an option of
+the framework-neutral `CutBCEOptions`, defined beside it in cutbce_common/shapes.py and re-exported
+here) validates and hashes, and `default_block_sizes` fits every chip's VMEM budget with balanced,
+aligned tiles.
 """
 
 from __future__ import annotations
@@ -9,7 +11,9 @@ import pytest
 pytest.importorskip("jax", reason="needs jax: pip install 'torch-cutbce[jax]'")  # every test here runs JAX
 
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
+import cutbce_common.shapes  # noqa: E402
 from jax_kernels.pallas.block_sizes import (  # noqa: E402
     CHIPS,
     PORTABLE_CHIP,
@@ -30,8 +34,11 @@ def test_block_sizes_validate_and_hash():
         BlockSizes(block_n=128, block_v=128, vmem_limit_bytes=10)
     with pytest.raises(TypeError, match="block_n"):
         BlockSizes(block_n=128.0, block_v=128)
-    a, b = BlockSizes(256, 512, 32 << 20), BlockSizes(256, 512, 32 << 20)
-    assert a == b and hash(a) == hash(b)
+    with pytest.raises(TypeError, match="vmem_limit_bytes"):
+        BlockSizes(block_n=128, block_v=128, vmem_limit_bytes=2e6)
+    assert BlockSizes is cutbce_common.shapes.BlockSizes  # the old import path still works
+    a, b = BlockSizes(256, 512, 32 << 20), BlockSizes(np.int64(256), 512, np.int32(32 << 20))
+    assert a == b and hash(a) == hash(b) and type(b.block_n) is int  # numpy sizes stored as ints
     assert a.clipped(n=10, v=300) == BlockSizes(128, 384, 32 << 20)
     with pytest.raises(ValueError, match="chip"):
         default_block_sizes(100, 100, 64, jnp.float32, chip="v9")

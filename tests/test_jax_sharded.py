@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 import _sharded_worker as worker  # noqa: E402
 import jax_kernels  # noqa: E402
 from jax_kernels.sharded import ShardedLayout, infer_mesh  # noqa: E402
-from jax_kernels.core import CutBCEConfig  # noqa: E402
+from cutbce_common.options import CutBCEOptions  # noqa: E402
 from parity import TOLERANCES, assert_close, jax_x64  # noqa: E402
 
 pytestmark = pytest.mark.rung3
@@ -126,6 +126,21 @@ ENTRY %main (a: f32[4]) -> f32[4] {
     assert worker.collectives_in_loops(hlo) == ["body: all-reduce("]
 
 
+def test_loss_options_on_a_mesh_match_the_single_device(tmp_path):
+    """Focal, and label smoothing with focal, on 2 x 2 CPU devices (`_sharded_loss_worker.py`, a
+    process of its own): blocked 'none' and Pallas 'mean', N and V divisible by neither axis."""
+    out = tmp_path / "loss_options.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]))
+    env.pop("XLA_FLAGS", None)  # the worker sets its own device count
+    proc = subprocess.run([sys.executable, str(TESTS / "_sharded_loss_worker.py"), str(out)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    errors = json.loads(out.read_text())
+    assert len(errors) == 3, sorted(errors)
+    worst = max(((case, key, err) for case, e in errors.items() for key, err in e.items()), key=lambda x: x[2])
+    assert worst[2] <= TOL, (worst, errors)
+
+
 # In-process checks: JAX here has one CPU device, so a 1 x 1 mesh (the shard_map path itself).
 
 
@@ -182,8 +197,8 @@ def test_argument_errors():
     bad[0, 0] = 53
     with pytest.raises(ValueError, match="item id 53"):
         jax_kernels.cut_bce(args[0], args[1], bad, mesh=mesh)
-    with pytest.raises(ValueError, match="not an axis"):
-        ShardedLayout(mesh, "model", "batch", CutBCEConfig(block_v=8))
+    with pytest.raises(ValueError, match="are not the layout's mesh"):  # options of another mesh
+        ShardedLayout(mesh, CutBCEOptions(block_v=8, impl="blocked", mesh_shape=(1,), mesh_axes=("model",)))
 
 
 def test_explicit_mesh_under_another_context_mesh_is_an_error():

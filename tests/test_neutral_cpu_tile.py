@@ -139,6 +139,7 @@ def test_jax_binding_matches_float64(tile):
 def _one_pass_loss(impl_kwargs=None):
     import jax.numpy as jnp
 
+    from cutbce_common.options import CutBCEOptions
     from jax_kernels import core
 
     n, v, d = 64, 700, 16  # two tiles of 512, the second shifted back (overlap weighted 0)
@@ -146,10 +147,10 @@ def _one_pass_loss(impl_kwargs=None):
     h = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
     e = jnp.asarray(rng.standard_normal((v, d)), jnp.float32)
     t = jnp.asarray(rng.integers(-1, v, (n, 4)), jnp.int32)
-    config = core.CutBCEConfig(block_v=512)
+    place = core.OneDevice(CutBCEOptions(block_v=512, impl="blocked"))
 
     def loss(h, e):
-        return core.cut_bce_weighted_sum(config, h, e, t, None, None, None, jnp.full((n,), 1.0 / n))[0]
+        return core.cut_bce_weighted_sum(place, h, e, t, None, None, None, jnp.full((n,), 1.0 / n))[0]
 
     return loss, (h, e)
 

@@ -1,7 +1,7 @@
 """`CutBCEOptions`: one value for every non-tensor choice, and the custom ops that take it.
 
 - `encode` is canonical JSON and `decode` its inverse, for any options (hypothesis); a bad string
-  is a ValueError naming it.
+  is a ValueError naming it. `resolved` sizes the tile and names the engine, as the JAX engines run it.
 - No custom op of the package (`torch_cutbce::*`, and the bridge's `cutbce::*` where torch_xla is
   installed) has more than 10 parameters or names an option in its schema: adding an option
   never widens a signature.
@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from cutbce_common.focal import MIN_GAMMA, Focal
 from cutbce_common.loss import MIN_LABEL_SMOOTHING, Loss
 from cutbce_common.options import CutBCEOptions, decode
+from cutbce_common.shapes import BlockSizes
 from torch_cutbce import ops
 
 # Words that would mean an option leaked into an op's schema (its fields, and the focal ones).
@@ -50,11 +51,15 @@ def options(draw):
         as_tuple = draw(st.booleans())
         mesh = dict(mesh_shape=tuple(shape), mesh_axes=tuple(axes), vocab_axis=(vocab,) if as_tuple else vocab,
                     data_axis=data)
+    tiles = st.integers(1, 64).map(lambda k: 128 * k)
+    block_sizes = st.builds(BlockSizes, tiles, tiles, st.none() | st.integers(1 << 20, 256 << 20))
     return CutBCEOptions(
         block_v=draw(st.none() | st.integers(1, 2**31)),
         compute_metrics=draw(st.booleans()),
         loss=Loss(focal, draw(st.sampled_from([0.0, 0.1, 1.0, MIN_LABEL_SMOOTHING]))),
         impl=draw(st.sampled_from(["auto", "blocked", "pallas"])),
+        block_sizes=draw(st.none() | block_sizes),
+        cpu_kernel=draw(st.booleans()),
         offset=draw(st.integers(0, 2**31)),
         id_limit=draw(st.none() | st.integers(1, 2**31)),
         **mesh,
@@ -64,6 +69,7 @@ def options(draw):
 def _as_json_data(o: CutBCEOptions) -> dict:
     data = {f.name: getattr(o, f.name) for f in dataclasses.fields(o)}
     data["loss"] = dataclasses.asdict(o.loss)
+    data["block_sizes"] = None if o.block_sizes is None else dataclasses.asdict(o.block_sizes)
     return data
 
 
@@ -103,6 +109,9 @@ def test_plain_focal_is_stored_as_none():
     PLAIN.replace('"focal":null', '"focal":{"alpha":0.25,"apply_class_balancing":false,"gamma":NaN}'),
     PLAIN.replace('"mesh_shape":[]', '"mesh_shape":[2]'),  # a dimension without a name
     PLAIN.replace('"vocab_axis":null', '"vocab_axis":"model"'),  # an axis without a mesh
+    PLAIN.replace('"cpu_kernel":true', '"cpu_kernel":1'),
+    PLAIN.replace('"block_sizes":null', '"block_sizes":{"block_n":128,"block_v":100,"vmem_limit_bytes":null}'),
+    PLAIN.replace('"block_sizes":null', '"block_sizes":{"block_n":128,"block_v":128}'),  # a field missing
 ])
 def test_decode_names_a_bad_string(text):
     with pytest.raises(ValueError, match="is not a CutBCEOptions.encode\\(\\) string") as error:
@@ -124,10 +133,24 @@ def test_decode_refuses_what_is_not_a_string():
     (dict(mesh_shape=(2,), mesh_axes=("data",), vocab_axis="model"), "vocab_axis='model' is not an axis of the mesh"),
     (dict(mesh_shape=(2,), mesh_axes=('da"ta',)), "printable ASCII name without quotes"),
     (dict(id_limit=0), "id_limit must be an int >= 1"),
+    (dict(block_sizes=(128, 128)), "block_sizes must be a BlockSizes or None"),
+    (dict(cpu_kernel=None), "cpu_kernel must be a bool"),
 ])
 def test_bad_fields_are_named(kwargs, match):
     with pytest.raises((TypeError, ValueError), match=match):
         CutBCEOptions(**kwargs)
+
+
+def test_block_sizes_encode_as_an_object_and_resolved_sizes_the_tile():
+    o = CutBCEOptions(block_sizes=BlockSizes(128, 256), cpu_kernel=False)
+    assert '"block_sizes":{"block_n":128,"block_v":256,"vmem_limit_bytes":null}' in o.encode()
+    assert '"cpu_kernel":false' in o.encode()
+    # What a JAX engine runs: the default tile for these rows, at most V, and the engine named.
+    wide = o.resolved(num_positions=8, num_items=100, impl="pallas")
+    assert (wide.block_v, wide.impl, wide.block_sizes) == (100, "pallas", o.block_sizes)
+    assert CutBCEOptions(block_v=64).resolved(num_positions=8, num_items=100, impl="blocked").block_v == 64
+    with pytest.raises(ValueError, match="resolved impl must be an engine, one of \\('blocked', 'pallas'\\), got 'auto'"):
+        o.resolved(num_positions=8, num_items=100, impl="auto")
 
 
 def _package_ops():

@@ -142,7 +142,7 @@ def blocked_forward(hidden, item_weight, ids, bias, class_weight, pos_weight, *,
                     loss=None, cpu_kernel: bool = True):
     """Returns `(rows [N], counts [2, N] float32 or None)`: the rows in the accumulation dtype, and
     the predicted positives and hits (positives with z > 0) per row. `ids`: `positives.positive_ids`.
-    `cpu_kernel`: whether the tiles may run `negative_tile`'s C kernel on the CPU (core.CutBCEConfig)."""
+    `cpu_kernel`: whether the tiles may run `negative_tile`'s C kernel on the CPU (`CutBCEOptions.cpu_kernel`)."""
     t = _Table(hidden, item_weight, ids, bias, class_weight, pos_weight, block_v, loss, cpu_kernel)
     n = hidden.shape[0]
 

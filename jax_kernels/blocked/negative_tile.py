@@ -181,7 +181,7 @@ def _portable_grad(z, w, g, loss=None):
 
 class NegativeTile:
     """The three tile functions for one call: of its `Loss` (None: plain), kernel allowed or not
-    (`cpu_kernel`: core.CutBCEConfig's; the kernel runs only for plain float32 tiles lowered for
+    (`cpu_kernel`: `CutBCEOptions.cpu_kernel`; the kernel runs only for plain float32 tiles lowered for
     the CPU)."""
 
     def __init__(self, loss=None, cpu_kernel: bool = True):

@@ -2,9 +2,10 @@
 
 `ChipSpec` / `CHIPS` (per-generation VMEM, MXU width, HBM bandwidth, peak matmul rate),
 `detect_chip()`, `vmem_estimate_bytes()` (a conservative model of a kernel's VMEM for one tile
-shape), `BlockSizes` (the user's override: frozen, hashable, validated) and `default_block_sizes()`
-(the largest MXU-aligned tiles that fit). The table's sources, the model's check against libtpu and
-the derived tiles: docs/jax.md, 'Block sizes and the VMEM budget'.
+shape), `BlockSizes` (the user's override: frozen, hashable, validated; defined in
+`cutbce_common.shapes`, re-exported here) and `default_block_sizes()` (the largest MXU-aligned tiles
+that fit). The table's sources, the model's check against libtpu and the derived tiles: docs/jax.md,
+'Block sizes and the VMEM budget'.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import functools
 import jax
 import numpy as np
 
-MIB = 1024 * 1024
-LANES = 128  # TPU vector register: 8 sublanes x 128 lanes of 32-bit words.
+# `BlockSizes` is an option of a call (`CutBCEOptions.block_sizes`), so it lives with the options,
+# which import no framework; these names stay importable from here.
+from cutbce_common.shapes import LANES, MIB, BlockSizes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,44 +150,6 @@ def vmem_estimate_bytes(block_n: int, block_v: int, d: int, dtype, *, num_target
     outputs = 2 * max(block_v * dp * 4 + row_vec, block_n * dp * 4 + 3 * block_n * LANES * 4)
     temps = 5 * block_n * block_v * 4 + block_n * block_v * b + block_v * dp * (b + 4)
     return inputs + outputs + temps
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Tile shape and VMEM limit of the background kernels (frozen and hashable: a static argument).
-
-    Attributes:
-        block_n: positions per tile; a multiple of 128 (the backward transposes `[block_n, block_v]`
-            tiles and contracts over block_n on the MXU).
-        block_v: items per tile; a multiple of 128 (lanes). Prefer a multiple of the MXU width.
-        vmem_limit_bytes: scoped VMEM limit passed to Mosaic; None keeps the compiler's default
-            (16 MiB on v4/v5e, 32 MiB on v6e), which large tiles exceed.
-    """
-
-    block_n: int
-    block_v: int
-    vmem_limit_bytes: int | None = None
-
-    def __post_init__(self):
-        block_n, block_v, vmem_limit_bytes = self.block_n, self.block_v, self.vmem_limit_bytes
-        for name, value in (("block_n", block_n), ("block_v", block_v)):
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
-                raise TypeError(f"BlockSizes.{name} must be an int, got {value!r}")
-        if block_n <= 0 or block_n % LANES:
-            raise ValueError(f"BlockSizes: {block_n=} must be a positive multiple of {LANES}")
-        if block_v <= 0 or block_v % LANES:
-            raise ValueError(f"BlockSizes: {block_v=} must be a positive multiple of {LANES}")
-        if vmem_limit_bytes is not None and not (MIB <= vmem_limit_bytes <= 256 * MIB):
-            raise ValueError(f"BlockSizes: {vmem_limit_bytes=} must lie in [1 MiB, 256 MiB]")
-
-    def clipped(self, n: int, v: int) -> "BlockSizes":
-        """The same config with tiles no larger than the (128-aligned) problem, so that a small N or
-        V does not pay for a mostly empty tile."""
-        return dataclasses.replace(
-            self,
-            block_n=min(self.block_n, _round_up(max(n, 1), LANES)),
-            block_v=min(self.block_v, _round_up(max(v, 1), LANES)),
-        )
 
 
 def _balanced(total: int, cap: int, align: int) -> int:
