@@ -149,13 +149,9 @@ def branch_terms(z, positive: bool, loss=None):
     balance. `slope` is d loss / dz. A negative at z = -inf (a positive taken out of its tile) adds
     0 (its slope is masked by the tile: `blocked/negative_tile.py`)."""
     u = -z if positive else z
-    e = exp_neg_abs(z)
-    if loss is None or loss.plain:
-        value, slope = softplus(u, e), sigmoid(u, e)
-    else:
-        value, slope = _scaled(*loss_terms(u, e, loss), positive, loss)
-        if loss.form().smoothing and not positive:  # smoothing's c |u| is inf at a taken-out positive
-            value = jnp.where(z == -jnp.inf, jnp.zeros((), value.dtype), value)
+    value, slope = _label_terms(u, exp_neg_abs(z), positive, loss)
+    if loss is not None and loss.form().smoothing and not positive:  # c |u| is inf at a taken-out positive
+        value = jnp.where(z == -jnp.inf, jnp.zeros((), value.dtype), value)
     return value, (-slope if positive else slope)  # du/dz = -1 at a positive
 
 
@@ -164,8 +160,13 @@ def labelled_terms(z, y, e, loss=None):
     `e = exp(-|z|)`: `branch_terms` of each element's own branch, in one pass (the Pallas kernels'
     way: they mask by label, never take a positive out)."""
     u = z if y is None else jnp.where(y, -z, z)
-    if loss is None or loss.plain:
-        value, slope = softplus(u, e), sigmoid(u, e)
-    else:
-        value, slope = _scaled(*loss_terms(u, e, loss), False if y is None else y, loss)
+    value, slope = _label_terms(u, e, False if y is None else y, loss)
     return value, (slope if y is None else jnp.where(y, -slope, slope))
+
+
+def _label_terms(u, e, positive, loss):
+    """`(term, d term / du)` of the logit `u` seen from its label (`positive`: a bool or a boolean
+    array), with the class balance: plain BCE's `(softplus(u), sigmoid(u))` for None or a plain Loss."""
+    if loss is None or loss.plain:
+        return softplus(u, e), sigmoid(u, e)
+    return _scaled(*loss_terms(u, e, loss), positive, loss)

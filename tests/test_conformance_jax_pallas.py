@@ -12,6 +12,7 @@ class TestPallas(EngineConformance):
     pytestmark = marks("jax-pallas")
     engine = "jax-pallas"
     reductions = ("none", "mean")
+    row_sums = False  # interpret mode is slow; the one-pass kernel meets the oracle check's 'mean'
     bad_input_every_entry = False  # `cut_bce`'s checks: TestBlocked's
     bad_input_entry_checks = ("test_pallas_refuses_float64",)
     # Each new shape compiles (interpret mode): small budgets, the kernels' dtypes (float64 refused:
