@@ -4,7 +4,6 @@ Resume exactness for it: test_examples_train.py::test_resume_after_kill_equals_u
 """
 
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,10 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `examples` is not an installed package
+from examples_extra import require_examples
 
-for _module in ("tqdm", "matplotlib"):  # the training script's progress bar and curves
-    pytest.importorskip(_module, reason="examples/train.py needs the [examples] extra")
+require_examples()
 
 from examples import data, losses, train  # noqa: E402
 from examples.bert4rec import BERT4Rec  # noqa: E402

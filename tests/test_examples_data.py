@@ -1,13 +1,13 @@
 """examples/data.py: loaders on generated files, the synthetic generator, the leave-out split, windows."""
 
-import sys
 import zipfile
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `examples` is not an installed package
+from examples_extra import require_examples
+
+require_examples(extra=False)
 
 from examples import data  # noqa: E402
 

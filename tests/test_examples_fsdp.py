@@ -17,11 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `examples` is not an installed package
+from examples_extra import require_examples
 
-for _module in ("tqdm", "matplotlib"):  # the training script's progress bar and curves
-    pytest.importorskip(_module, reason="examples/train.py needs the [examples] extra: "
-                                        "pip install 'torch-cutbce[examples]'")
+require_examples()
+
 if not torch.distributed.is_available():
     pytest.skip("torch.distributed is not built", allow_module_level=True)
 

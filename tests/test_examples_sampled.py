@@ -3,17 +3,14 @@
 Resume exactness for it: test_examples_train.py::test_resume_after_kill_equals_uninterrupted_run.
 """
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `examples` is not an installed package
+from examples_extra import require_examples
 
-for _module in ("tqdm", "matplotlib"):  # the training script's progress bar and curves
-    pytest.importorskip(_module, reason="examples/train.py needs the [examples] extra")
+require_examples()
 
 from examples import data, losses, train  # noqa: E402
 from examples.sasrec import RecConfig, SASRec  # noqa: E402

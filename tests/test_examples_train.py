@@ -14,11 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `examples` is not an installed package
+from examples_extra import require_examples
 
-EXAMPLES_EXTRA = "examples/train.py needs the [examples] extra: pip install 'torch-cutbce[examples]'"
-for _module in ("tqdm", "matplotlib"):  # the training script's progress bar and curves
-    pytest.importorskip(_module, reason=EXAMPLES_EXTRA)
+require_examples()
 
 from examples import config, data, train  # noqa: E402
 

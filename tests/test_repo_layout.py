@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import pkgutil
 import subprocess
 import sys
@@ -106,3 +107,33 @@ def test_the_packages_hold_no_documents():
     found = [p.relative_to(ROOT).as_posix() for package in ("torch_cutbce", "jax_kernels", "cutbce_common")
              for p in (ROOT / package).rglob("*.md")]
     assert not found, found
+
+
+def _design_module_tables() -> dict[str, set[str]]:
+    """docs/design.md, 'What each module holds': package -> the modules its table names."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    section = text.split("### What each module holds", 1)[1].split("\n### ", 1)[0]
+    tables: dict[str, set[str]] = {}
+    package = None
+    for line in section.splitlines():
+        heading = re.match(r"`(\w+)/`", line)
+        if heading:
+            package = heading.group(1)
+            tables[package] = set()
+        elif line.startswith("| `") and package:
+            first_cell = line.split("|")[1]
+            tables[package].update(re.findall(r"`([\w/]+\.(?:py|c|cc))`", first_cell))
+    return tables
+
+
+def test_the_design_module_tables_name_every_library_file():
+    """Each package's table in docs/design.md names exactly the source files the package holds."""
+    tables = _design_module_tables()
+    assert set(tables) == {"torch_cutbce", "jax_kernels", "cutbce_common"}, sorted(tables)
+    for package, named in tables.items():
+        if not (ROOT / package).is_dir():
+            pytest.skip(f"no {package}/ beside the tests (ci/core_only.sh removes the sources to test the install)")
+        held = {p.relative_to(ROOT / package).as_posix() for p in (ROOT / package).rglob("*")
+                if p.suffix in (".py", ".c", ".cc") and "__pycache__" not in p.parts}
+        assert named == held, (package, "missing from the table:", sorted(held - named),
+                               "named but absent:", sorted(named - held))
