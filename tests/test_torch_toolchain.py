@@ -19,6 +19,7 @@ import warnings
 import pytest
 import torch
 
+import torch_cutbce
 from parity import assert_close
 from torch_cutbce import cut_bce_with_logits, dense_bce_with_logits, fused_tile, ops
 
@@ -170,6 +171,27 @@ def test_the_first_tile_compile_is_announced_once(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error", fused_tile.TileCompileWarning)
         cut_bce_with_logits(hidden, items, targets, bias, block_v=BLOCK_V, reduction="none")
+
+
+def test_each_loss_form_announces_its_own_first_compile(monkeypatch):
+    """Another `Loss` form is another torch.compile (`Loss.form()` is what the tile specialises on), so
+    its first compile is said too; a form already compiled is not. (The functions run uncompiled here:
+    what is tested is what is said, not inductor.)"""
+    hidden, items, bias, targets, _ = _inputs(seed=8)
+    hidden = hidden.clone().requires_grad_()
+    monkeypatch.setattr(fused_tile, "_compile_seconds", {})
+    monkeypatch.setattr(fused_tile, "_compiled", lambda name, threads, form=None: (
+        fused_tile._FUNCTIONS[name] if form is None else fused_tile._loss_functions(form)[name]))
+    smoothed, focal = dict(label_smoothing=0.1), dict(focal=torch_cutbce.Focal(gamma=2.0))
+    for options in (smoothed, focal):
+        with pytest.warns(fused_tile.TileCompileWarning, match="loss-option") as said:
+            cut_bce_with_logits(hidden, items, targets, bias, block_v=BLOCK_V, **options).backward()
+        assert len(said) == 1, [str(w.message) for w in said]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fused_tile.TileCompileWarning)
+        cut_bce_with_logits(hidden, items, targets, bias, block_v=BLOCK_V, reduction="none", **smoothed)
+    forms = {fused_tile._form_of(key) for key in fused_tile.compile_seconds()}
+    assert len(forms) == 2 and "" not in forms, forms
 
 
 # -- torch.func ---------------------------------------------------------------------------------------

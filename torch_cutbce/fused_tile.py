@@ -48,7 +48,8 @@ _no_cxx_said = False
 
 
 def compile_seconds() -> dict[str, float]:
-    """Seconds the first call of each compiled tile function took in this process (compile + one run)."""
+    """Seconds the first call of each compiled tile function took in this process (compile + one run),
+    by name: a `Loss` tile function's name is followed by its form (`Loss.form()`), one compile each."""
     return dict(_compile_seconds)
 
 
@@ -361,8 +362,8 @@ def _compiled(name: str, threads: int, form=None):
 
 class TileCompileWarning(UserWarning):
     """torch_cutbce's first-call messages, each naming the caller's line: before the CPU kernel is
-    built (once per machine), and before the plain or the other-`Loss` tile functions are first
-    compiled by torch.compile in a process (once per process each; plain float32 CPU tiles only
+    built (once per machine), and before the plain tile functions, or another `Loss` form's, are
+    first compiled by torch.compile in a process (once per process and form; plain float32 CPU tiles only
     where `TORCH_CUTBCE_TILE` or the tuning command chose torch.compile's tile, or the kernel cannot
     be built)."""
 
@@ -373,11 +374,17 @@ def _warn(message: str) -> None:
     cpu_tile_build.warn_at_caller(message, TileCompileWarning)
 
 
-def _announce_compile(name: str, z: torch.Tensor) -> None:
-    what = "loss-option " if name.startswith("loss") else ""
+def _form_of(compile_key: str) -> str:
+    """The `Loss` form a `_compile_seconds` key names ('' for the plain tile functions)."""
+    return compile_key.partition(" ")[2]
+
+
+def _announce_compile(form, z: torch.Tensor) -> None:
+    what, once = ("", "once per process") if form is None else (
+        "loss-option ", f"once per process and Loss form (this one: {form})")
     where = "CUDA (Triton)" if z.device.type == "cuda" else "the CPU"
-    _warn(f"torch_cutbce: compiling the float32 {what}tile functions for {where} with torch.compile, once per "
-          f"process: 10-60 s the first time on a machine, 5-20 s once inductor's on-disk cache holds them; "
+    _warn(f"torch_cutbce: compiling the float32 {what}tile functions for {where} with torch.compile, {once}: "
+          f"10-60 s the first time on a machine, 5-20 s once inductor's on-disk cache holds them; "
           f"TORCH_CUTBCE_NO_COMPILE=1 skips this (eager tiles, about 2x slower)")
 
 
@@ -415,8 +422,8 @@ def _run(name: str, z: torch.Tensor, *args):
 
 
 def _run_compiled(name: str, z: torch.Tensor, *args):
-    """`name`'s compiled function; its family's (plain or other-`Loss`) first compile in the process is
-    said first."""
+    """`name`'s compiled function; the first compile in the process of the plain functions, and of
+    each `Loss` form's, is said first."""
     global _compile_failed
     # One kernel per function, compiled once: dynamo guards on aliasing and on whether a small input
     # is a view, so a missing class weight becomes its own ones row (one multiply per element) and
@@ -430,10 +437,10 @@ def _run_compiled(name: str, z: torch.Tensor, *args):
         else (a.clone() if a is not None and k < 2 and a._base is not None else a)
         for k, a in enumerate(tensors)
     ]
-    first = name not in _compile_seconds
-    family = name.startswith("loss")
-    if first and not any(key.startswith("loss") == family for key in _compile_seconds):
-        _announce_compile(name, z)
+    key = name if form is None else f"{name} {form}"  # each Loss form is a compile of its own
+    first = key not in _compile_seconds
+    if first and not any(_form_of(other) == _form_of(key) for other in _compile_seconds):
+        _announce_compile(form, z)
     start = time.perf_counter()
     try:
         with torch.no_grad():  # as inside the autograd Functions: one grad mode, one compiled kernel
@@ -444,7 +451,7 @@ def _run_compiled(name: str, z: torch.Tensor, *args):
               f"using eager tiles from now on (set TORCH_CUTBCE_NO_COMPILE=1 to skip the attempt)")
         return _EAGER[name](z, *args)
     if first:
-        _compile_seconds[name] = time.perf_counter() - start
+        _compile_seconds[key] = time.perf_counter() - start
     return out
 
 
