@@ -78,6 +78,29 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=f"needs {module}: pip install 'torch-cutbce[{extra}]'"))
 
 
+LIBRARY_ENV = ("TORCH_CUTBCE_", "JAX_", "XLA_FLAGS")  # what the library and JAX read from the environment
+
+
+def _library_env() -> dict[str, str]:
+    return {name: value for name, value in os.environ.items() if name.startswith(LIBRARY_ENV)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def library_env_does_not_leak():
+    """A test file that sets TORCH_CUTBCE_* or JAX_* in this process must put it back (monkeypatch):
+    xdist runs several files per worker, and a leaked `TORCH_CUTBCE_NO_COMPILE=1` once made later
+    files skip their C-kernel checks and run eager tiles, depending on which files shared a worker."""
+    before = _library_env()
+    yield
+    after = _library_env()
+    if after != before:
+        os.environ.update(before)
+        for name in set(after) - set(before):
+            del os.environ[name]
+        changed = sorted(name for name in set(before) | set(after) if before.get(name) != after.get(name))
+        pytest.fail(f"this test file left the environment changed: {changed} (use monkeypatch.setenv)")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def xla_runtime_before_any_backward(request):
     """Starts the XLA device before any test when an `xla` test will run (see the module docstring)."""
