@@ -65,10 +65,12 @@ def narrowed_to_nothing(item) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    narrowed = [item for item in items if narrowed_to_nothing(item)]
+    kept, narrowed = [], []
+    for item in items:
+        (narrowed if narrowed_to_nothing(item) else kept).append(item)
     if narrowed:
         config.hook.pytest_deselected(items=narrowed)
-        items[:] = [item for item in items if not narrowed_to_nothing(item)]
+        items[:] = kept
     missing = {marker: (module, extra) for marker, (module, extra) in OPTIONAL.items() if not installed(module)}
     for item in items:
         if is_fast(item):

@@ -42,8 +42,7 @@ with warnings.catch_warnings(record=True) as caught:
     import torch
     from torch_cutbce import Focal, cut_bce_with_logits, fused_tile
     if "stub" in sys.argv:
-        fused_tile._compiled = lambda name, threads, form=None: (
-            fused_tile._FUNCTIONS[name] if form is None else fused_tile._loss_functions(form)[name])
+        fused_tile._compiled = lambda name, threads, form=None: fused_tile._tile_function(name, form)
     g = torch.Generator().manual_seed(0)
     seconds = []
     for call in sys.argv[1:]:

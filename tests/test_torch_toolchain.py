@@ -19,9 +19,8 @@ import warnings
 import pytest
 import torch
 
-import torch_cutbce
 from parity import assert_close
-from torch_cutbce import cut_bce_with_logits, dense_bce_with_logits, fused_tile, ops
+from torch_cutbce import Focal, cut_bce_with_logits, dense_bce_with_logits, fused_tile, ops
 
 pytestmark = pytest.mark.rung1
 
@@ -180,9 +179,8 @@ def test_each_loss_form_announces_its_own_first_compile(monkeypatch):
     hidden, items, bias, targets, _ = _inputs(seed=8)
     hidden = hidden.clone().requires_grad_()
     monkeypatch.setattr(fused_tile, "_compile_seconds", {})
-    monkeypatch.setattr(fused_tile, "_compiled", lambda name, threads, form=None: (
-        fused_tile._FUNCTIONS[name] if form is None else fused_tile._loss_functions(form)[name]))
-    smoothed, focal = dict(label_smoothing=0.1), dict(focal=torch_cutbce.Focal(gamma=2.0))
+    monkeypatch.setattr(fused_tile, "_compiled", lambda name, threads, form=None: fused_tile._tile_function(name, form))
+    smoothed, focal = dict(label_smoothing=0.1), dict(focal=Focal(gamma=2.0))
     for options in (smoothed, focal):
         with pytest.warns(fused_tile.TileCompileWarning, match="loss-option") as said:
             cut_bce_with_logits(hidden, items, targets, bias, block_v=BLOCK_V, **options).backward()

@@ -39,7 +39,7 @@ from typing import Callable
 import torch
 
 from cutbce_common import cpu_tile_build, tile_choice  # framework-neutral: no jax import
-from cutbce_common.loss import PLAIN, Loss, Numbers
+from cutbce_common.loss import PLAIN, Form, Loss, Numbers
 from torch_cutbce import branch_math
 
 _compile_seconds: dict[str, float] = {}
@@ -345,8 +345,13 @@ def _tile_for(name: str, z: torch.Tensor) -> str:
     return "compiled" if _can_compile(z) else "eager"  # another Loss, CUDA, float64, bfloat16
 
 
+def _tile_function(name: str, form: Form | None = None) -> Callable:
+    """The uncompiled tile function `name`: the plain one, or a `Loss` form's (`_loss_functions`)."""
+    return _FUNCTIONS[name] if form is None else _loss_functions(form)[name]
+
+
 @functools.cache
-def _compiled(name: str, threads: int, form=None):
+def _compiled(name: str, threads: int, form: Form | None = None):
     # dynamic=True: the ragged last tile and every (N, block_v) share one compiled kernel.
     # cpp.threads: inductor bakes the thread count into the C++ (`omp parallel num_threads(2)`, or
     # no OpenMP at all for 1) but leaves it out of its on-disk cache key, so a kernel compiled in a
@@ -354,10 +359,8 @@ def _compiled(name: str, threads: int, form=None):
     # explicitly, it is part of the key (and a new thread count compiles anew).
     # fp-contract: the C++ compiler fuses the polynomials' multiply-adds into FMAs (one rounding
     # instead of two, so no less exact): about 10% off the tile function (benchmarks/NOTES.md section 7).
-    # form: a Loss tile function's `Loss.form()` (`_loss_functions`).
     options = {"cpp.threads": threads, "cpp.enable_floating_point_contract_flag": "fast"}
-    function = _FUNCTIONS[name] if form is None else _loss_functions(form)[name]
-    return torch.compile(function, dynamic=True, fullgraph=True, options=options)
+    return torch.compile(_tile_function(name, form), dynamic=True, fullgraph=True, options=options)
 
 
 class TileCompileWarning(UserWarning):
@@ -379,7 +382,7 @@ def _form_of(compile_key: str) -> str:
     return compile_key.partition(" ")[2]
 
 
-def _announce_compile(form, z: torch.Tensor) -> None:
+def _announce_compile(form: Form | None, z: torch.Tensor) -> None:
     what, once = ("", "once per process") if form is None else (
         "loss-option ", f"once per process and Loss form (this one: {form})")
     where = "CUDA (Triton)" if z.device.type == "cuda" else "the CPU"
