@@ -223,14 +223,19 @@ def _measure_without_bias(inputs):
 
 
 # cut_bce_with_logits(mesh=) on a 2 x 2 mesh, every option on: 'mean' / 'sum' take the one-pass op
-# (cutbce::xla_weighted_sum over sharded_value_and_grad), 'none' forward then backward.
-ONE_PASS = {"shape": (N, V, D, L), "seed": 5, "reductions": ("mean", "sum", "none")}
+# (cutbce::xla_weighted_sum over sharded_value_and_grad), 'none' forward then backward. Variant ->
+# (reduction, a `conformance_engines.LOSSES` name): plain BCE, and label smoothing with balanced focal.
+SMOOTHED = "smoothing0.2-focal1.5-balanced"
+ONE_PASS = {"shape": (N, V, D, L), "seed": 5,
+            "variants": {"mean": ("mean", "plain"), "sum": ("sum", "plain"), "none": ("none", "plain"),
+                         f"mean-{SMOOTHED}": ("mean", SMOOTHED), f"none-{SMOOTHED}": ("none", SMOOTHED)}}
 
 
 def _measure_one_pass(dump_dir):
-    """Loss, metrics and gradients (wrt parity.GRADS, for parity.make_upstream) of each reduction,
+    """Loss, metrics and gradients (wrt parity.GRADS, for parity.make_upstream) of each variant,
     for the test to compare with the float64 oracle, and the partitioned program's facts."""
     import torch_cutbce as tc
+    from conformance_engines import LOSSES
     from parity import GRADS, METRIC_NAMES, make_inputs, make_upstream, select
 
     n, v, d, slots = ONE_PASS["shape"]
@@ -238,7 +243,7 @@ def _measure_one_pass(dump_dir):
     mesh = xs.Mesh(np.arange(4), (2, 2), ("data", "model"))
     device = torch_xla.device()
     report = {}
-    for reduction in ONE_PASS["reductions"]:
+    for variant, (reduction, loss_name) in ONE_PASS["variants"].items():
         shutil.rmtree(dump_dir, ignore_errors=True)
         t = {k: torch.tensor(x if k == "targets" else np.float32(x)).to(device) for k, x in inputs.items()}
         for k in GRADS:
@@ -252,13 +257,14 @@ def _measure_one_pass(dump_dir):
             t["hidden"], t["item_weight"], t["targets"], t["bias"], weight=t["weight"],
             class_weight=t["class_weight"], pos_weight=t["pos_weight"], reduction=reduction, return_metrics=True,
             block_v=BLOCK_V, backend="xla_blocked", mesh=mesh, vocab_axis="model", data_axis="data",
+            **LOSSES[loss_name].arguments(),
         )
         upstream = torch.tensor(np.float32(make_upstream(reduction, (n,), seed=ONE_PASS["seed"], dtype="float32")))
         grads = torch.autograd.grad(loss, [t[k] for k in GRADS], grad_outputs=upstream.to(device))
         values = dict(zip(("loss", *METRIC_NAMES, *(f"d_{k}" for k in GRADS)), (loss, *metrics, *grads)))
         torch_xla.sync()  # one program: forward and backward
-        report[reduction] = {"results": {k: x.detach().cpu().double().tolist() for k, x in values.items()},
-                             "hlo": _hlo_facts(dump_dir)}
+        report[variant] = {"reduction": reduction, "loss": loss_name, "hlo": _hlo_facts(dump_dir),
+                           "results": {k: x.detach().cpu().double().tolist() for k, x in values.items()}}
     return {"shape": ONE_PASS["shape"], "seed": ONE_PASS["seed"], **report}
 
 

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import torch_cutbce as tc
+from conformance_engines import LOSSES
 from distributed_harness import run_ranks
 from parity import TOLERANCES, assert_close, make_inputs, make_upstream, run_torch, select
 from torch_cutbce.vocab_parallel import VocabParallelOptions
@@ -31,6 +32,8 @@ TESTS = Path(__file__).resolve().parent
 TOL = TOLERANCES["float32"]
 # The worker's cases (not imported from it: it imports torch_xla, which the spawned ranks need not).
 XLA_CASES = ("sharded_1x4", "sharded_2x2")
+SMOOTHED = "smoothing0.2-focal1.5-balanced"
+ONE_PASS_VARIANTS = ("mean", "sum", "none", f"mean-{SMOOTHED}", f"none-{SMOOTHED}")
 
 
 @pytest.fixture(scope="module")
@@ -104,20 +107,24 @@ def test_sharded_bridge_without_bias_after_calls_with_bias(xla_report):
 
 
 @pytest.mark.xla
-@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_mesh_bridge_scalar_losses_take_one_pass(xla_report, reduction):
-    """`cut_bce_with_logits(mesh=)` on a 2 x 2 mesh, every option on (a non-uniform weight with zeros):
-    the loss, metrics and gradients match the float64 oracle, and 'mean' / 'sum' compute their
-    gradients in the loop that computes the loss (cutbce::xla_weighted_sum over
-    sharded_value_and_grad): one tile loop in the program, where 'none' has a forward and a backward."""
+@pytest.mark.parametrize("variant", ONE_PASS_VARIANTS)
+def test_mesh_bridge_scalar_losses_take_one_pass(xla_report, variant):
+    """`cut_bce_with_logits(mesh=)` on a 2 x 2 mesh, every option on (a non-uniform weight with zeros),
+    plain and with label smoothing and balanced focal: the loss, metrics and gradients match the
+    float64 oracle, and 'mean' / 'sum' compute their gradients in the loop that computes the loss
+    (cutbce::xla_weighted_sum over sharded_value_and_grad): one tile loop in the program, where
+    'none' has a forward and a backward."""
     report = xla_report["one_pass"]
+    assert set(report) - {"shape", "seed"} == set(ONE_PASS_VARIANTS), list(report)  # each one checked
     n, v, d, slots = report["shape"]
+    result = report[variant]
+    reduction, loss = result["reduction"], LOSSES[result["loss"]]
     inputs = select(make_inputs((n,), v, d, slots, seed=report["seed"]), dtype="float32")
     upstream = make_upstream(reduction, (n,), seed=report["seed"], dtype="float32")
-    truth = run_torch(tc.dense_bce_with_logits, inputs, dtype="float64", upstream=upstream, reduction=reduction)
-    result = report[reduction]
+    truth = run_torch(tc.dense_bce_with_logits, inputs, dtype="float64", upstream=upstream, reduction=reduction,
+                      **loss.arguments())
     fast = {k: np.asarray(x) for k, x in result["results"].items()}
-    assert_close(fast, truth, dtype="float32", name=f"mesh 2x2 {reduction}")
+    assert_close(fast, truth, dtype="float32", name=f"mesh 2x2 {variant}")
     hlo = result["hlo"]
     assert hlo["modules"] == 1 and hlo["gathered_shapes"] == [], hlo
     assert hlo["while_loops"] == (2 if reduction == "none" else 1), hlo
