@@ -3,11 +3,13 @@
 `cutbce_common` imports neither framework (torch_cutbce loads it without jax, jax_kernels
 without torch); `jax_kernels` never imports torch; the oracles import no engine; the engine registry
 names exactly the engines the framework-neutral impl rule accepts.
-Documents stay out of the packages (they would ship in the wheel).
+Documents stay out of the packages (they would ship in the wheel), and docs/design.md's module
+tables and engine map name what the code holds.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import pkgutil
@@ -19,6 +21,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("torch_cutbce", "jax_kernels", "cutbce_common")
 
 
 def _modules(package: str) -> list[str]:
@@ -104,7 +107,7 @@ def test_registry_matches_the_impl_rule():
 def test_the_packages_hold_no_documents():
     """Documents live in docs/ (the JAX side: docs/jax.md); a Markdown file inside a package would ship
     in the wheel, and its relative links would break there."""
-    found = [p.relative_to(ROOT).as_posix() for package in ("torch_cutbce", "jax_kernels", "cutbce_common")
+    found = [p.relative_to(ROOT).as_posix() for package in PACKAGES
              for p in (ROOT / package).rglob("*.md")]
     assert not found, found
 
@@ -129,7 +132,7 @@ def _design_module_tables() -> dict[str, set[str]]:
 def test_the_design_module_tables_name_every_library_file():
     """Each package's table in docs/design.md names exactly the source files the package holds."""
     tables = _design_module_tables()
-    assert set(tables) == {"torch_cutbce", "jax_kernels", "cutbce_common"}, sorted(tables)
+    assert set(tables) == set(PACKAGES), sorted(tables)
     for package, named in tables.items():
         if not (ROOT / package).is_dir():
             pytest.skip(f"no {package}/ beside the tests (ci/core_only.sh removes the sources to test the install)")
@@ -137,3 +140,47 @@ def test_the_design_module_tables_name_every_library_file():
                 if p.suffix in (".py", ".c", ".cc") and "__pycache__" not in p.parts}
         assert named == held, (package, "missing from the table:", sorted(held - named),
                                "named but absent:", sorted(named - held))
+
+
+# Heads in the engine map that are no library module: the engine and place protocols' variables,
+# and TorchTPU's `torch.tpu.pallas.jax_op`.
+NOT_MODULES = {"engine", "place", "torch", "pallas"}
+
+
+def _defined_names(path: Path) -> set[str]:
+    """The top-level names a module defines or imports, and the string keys of its top-level dicts
+    (a package's lazy public names, PEP 562: `jax_kernels._PUBLIC`)."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+            if isinstance(node.value, ast.Dict):
+                names.update(k.value for k in node.value.keys if isinstance(k, ast.Constant))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return names
+
+
+def test_the_engine_map_names_what_the_code_holds():
+    """docs/design.md, 'Which entry picks which engine': every `file.py` it names exists and every
+    `module.name` is defined in a library module of that name (a package's `__init__` or submodule)."""
+    if not all((ROOT / package).is_dir() for package in PACKAGES):
+        pytest.skip("the library's sources are not beside the tests (ci/core_only.sh removes them)")
+    text = (ROOT / "docs" / "design.md").read_text()
+    block = text.split("### Which entry picks which engine", 1)[1].split("```")[1]
+    sources = [p for package in PACKAGES for p in (ROOT / package).rglob("*.py")]
+    by_stem: dict[str, list[Path]] = {}
+    for path in sources:
+        by_stem.setdefault(path.parent.name if path.stem == "__init__" else path.stem, []).append(path)
+    wrong = [name for name in re.findall(r"\b([\w/]+)\.py\b", block)
+             if not any(p.as_posix().endswith(f"/{name}.py") for p in sources)]
+    for head, name in re.findall(r"\b([a-z_]+)\.([A-Za-z_]\w*)\b", block):
+        if name == "py" or head in NOT_MODULES:
+            continue
+        modules = by_stem.get(head, [])
+        submodules = {p.stem for m in modules if m.stem == "__init__" for p in m.parent.glob("*.py")}
+        if not any(name in _defined_names(m) for m in modules) and name not in submodules:
+            wrong.append(f"{head}.{name}")
+    assert not wrong, f"the engine map names what the code does not hold: {wrong}"
