@@ -231,7 +231,7 @@ def compile_for(chip: str, fn, *structs, keep_text: bool = False):
         stats = compiled.memory_analysis()
         if keep_text:
             text = compiled.as_text()
-    except Exception as e:  # noqa: BLE001: any compile failure is a result to report, not a crash
+    except Exception as e:  # noqa: BLE001 (any compile failure is a result to report, not a crash)
         result = CompileResult(chip, f"{type(e).__name__}: {e}", time.perf_counter() - start)
     else:
         result = CompileResult(chip, None, time.perf_counter() - start, xla_peak_bytes=stats.peak_memory_in_bytes,
