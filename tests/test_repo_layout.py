@@ -171,16 +171,17 @@ def test_the_engine_map_names_what_the_code_holds():
     text = (ROOT / "docs" / "design.md").read_text()
     block = text.split("### Which entry picks which engine", 1)[1].split("```")[1]
     sources = [p for package in PACKAGES for p in (ROOT / package).rglob("*.py")]
-    by_stem: dict[str, list[Path]] = {}
+    # module or package name -> what `name.x` may be: its defined names (a package: also its submodules),
+    # read once per file; a name two packages share (`engines`) holds the union.
+    names_of: dict[str, set[str]] = {}
     for path in sources:
-        by_stem.setdefault(path.parent.name if path.stem == "__init__" else path.stem, []).append(path)
+        is_package = path.stem == "__init__"
+        names = names_of.setdefault(path.parent.name if is_package else path.stem, set())
+        names |= _defined_names(path)
+        if is_package:
+            names |= {p.stem for p in path.parent.glob("*.py")}
     wrong = [name for name in re.findall(r"\b([\w/]+)\.py\b", block)
              if not any(p.as_posix().endswith(f"/{name}.py") for p in sources)]
-    for head, name in re.findall(r"\b([a-z_]+)\.([A-Za-z_]\w*)\b", block):
-        if name == "py" or head in NOT_MODULES:
-            continue
-        modules = by_stem.get(head, [])
-        submodules = {p.stem for m in modules if m.stem == "__init__" for p in m.parent.glob("*.py")}
-        if not any(name in _defined_names(m) for m in modules) and name not in submodules:
-            wrong.append(f"{head}.{name}")
+    wrong += [f"{head}.{name}" for head, name in re.findall(r"\b([a-z_]+)\.([A-Za-z_]\w*)\b", block)
+              if name != "py" and head not in NOT_MODULES and name not in names_of.get(head, set())]
     assert not wrong, f"the engine map names what the code does not hold: {wrong}"
