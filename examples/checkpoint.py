@@ -66,12 +66,27 @@ def atomic_save(obj, path: Path) -> None:
     is atomic within a file system; fsync first, so the new file's bytes are on disk before it
     takes the old one's name).
     """
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = temporary(path)
     with open(tmp, "wb") as f:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def temporary(path: Path) -> Path:
+    """The file `atomic_save` writes before renaming it to `path`."""
+    return path.with_name(path.name + ".tmp")
+
+
+def remove_stale_temporaries(out_dir: Path) -> None:
+    """Deletes the temporary files of a run killed inside `atomic_save` (ckpt.pt.tmp, best.pt.tmp).
+
+    Such a file is torn or whole but never renamed, so nothing reads it; the checkpoint beside it is
+    the last whole one. Every run that writes to `out_dir` calls this before its first save.
+    """
+    for name in ("ckpt.pt", "best.pt"):
+        temporary(out_dir / name).unlink(missing_ok=True)
 
 
 def to_cpu(obj):
@@ -168,13 +183,16 @@ def read_checkpoint(run: Run) -> dict | None:
 
 
 def start_or_resume(run: Run) -> TrainState:
-    """A fresh state, or with --resume the checkpoint's (model, optimizer and RNGs restored too).
+    """A fresh state, or with --resume the checkpoint's (model, optimizer and RNGs restored too); either
+    way a killed save's temporary files go first (`remove_stale_temporaries`).
 
     With --fsdp rank 0 reads and checks the checkpoint and the other ranks get what they need from it.
 
     Raises:
         ResumeError: see `read_checkpoint`.
     """
+    if run.main:  # the process that writes the checkpoints
+        remove_stale_temporaries(run.out_dir)
     if not run.cfg.resume:
         return TrainState()
     if run.ranks is None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from examples import data
+from examples.evaluate import KS, ranked_items
 from torch_cutbce import Focal
 
 MODEL_NAMES = ("sasrec", "bert4rec")
@@ -41,7 +42,9 @@ class TrainConfig:
                           choices=data.DATASETS)
     data_path: str = option("", "ml-100k: a local ml-100k.inter or the recbole wheel (empty: download the wheel "
                                 "into ~/.cache/torch-cutbce); yambda: the parquet file or folder (required)")
-    synthetic_items: int = option(100_000, "--dataset synthetic: catalog size V")
+    synthetic_items: int = option(100_000, f"--dataset synthetic: catalog size V; at least the top max({max(KS)}, "
+                                           "--k) items the metrics rank (a smaller catalog is refused, not "
+                                           "scored on fewer)")
     synthetic_users: int = option(10_000, "--dataset synthetic: number of users")
     loss: str = option("cutbce", "cutbce; focal: focal CutBCE (--focal-gamma, --focal-alpha, "
                                  "--focal-balancing); dense: the materialized BCEWithLogitsLoss it replaces (the A/B); "
@@ -149,12 +152,14 @@ class TrainConfig:
         at_least = {name: 1 for name in ("k", "bert_labels", "holdout", "max_len", "batch_size", "eval_batch_size",
                                          "epochs", "synthetic_users", "dim", "num_heads",
                                          "negatives")}
-        at_least["synthetic_items"] = 2  # one positive and at least one negative item
+        # A catalog smaller than the top items the metrics rank would train a whole epoch, then fail.
+        at_least["synthetic_items"] = ranked_items(self.k)
         at_least.update({name: 0 for name in ("num_layers", "block_v", "patience", "ckpt_every", "max_steps",
                                               "num_threads")})
         for name, low in at_least.items():
             if getattr(self, name) < low:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}")
+                why = f" (the top items the metrics rank: max({max(KS)}, --k))" if name == "synthetic_items" else ""
+                raise ValueError(f"--{name.replace('_', '-')} must be >= {low}{why}, got {getattr(self, name)}")
         if self.dim % self.num_heads:
             raise ValueError(f"--dim {self.dim} must be divisible by --num-heads {self.num_heads}")
         if self.model == "bert4rec" and self.max_len < 2:

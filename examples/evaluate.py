@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+import numpy as np
 import torch
 
 from examples.data import SeqDataset, eval_arrays, item_counts, to_catalog_ids
@@ -43,16 +44,38 @@ def ranking_metrics(top_ids: torch.Tensor, targets: torch.Tensor, ks: tuple[int,
     return out
 
 
+# The metrics' cut-offs (HR@K, NDCG@K); with Hit@k (k = --k) they set how many items are ranked.
+KS = (10, 20)
+
+
+def ranked_items(k_next: int, ks: tuple[int, ...] = KS) -> int:
+    """How many of each user's top items the metrics read: the catalog must hold at least as many."""
+    return max(*ks, k_next)
+
+
 @torch.no_grad()
-def evaluate(query: QueryFn, ds: SeqDataset, holdout: int, stage: str, *, context_len: int,
-             ks: tuple[int, ...] = (10, 20), k_next: int = 8, exclude_seen: bool = True,
-             batch_size: int = 256, device: torch.device | str = "cpu", block_v: int | None = None) -> dict[str, float]:
-    """Mean metrics over all users for stage 'val' or 'test' (see module docstring)."""
+def evaluate(query: QueryFn, ds: SeqDataset, holdout: int, stage: str, **kwargs) -> dict[str, float]:
+    """Mean metrics over all users for stage 'val' or 'test' (see module docstring and `evaluate_users`)."""
+    return {name: float(values.mean()) for name, values in evaluate_users(query, ds, holdout, stage, **kwargs).items()}
+
+
+@torch.no_grad()
+def evaluate_users(query: QueryFn, ds: SeqDataset, holdout: int, stage: str, *, context_len: int,
+                   ks: tuple[int, ...] = KS, k_next: int = 8, exclude_seen: bool = True, batch_size: int = 256,
+                   device: torch.device | str = "cpu", block_v: int | None = None) -> dict[str, np.ndarray]:
+    """Every user's metrics for stage 'val' or 'test': `{name: [U] float64}`, users in data order.
+
+    Two runs on the same data hold the same users in the same order, so their per-user metrics pair
+    up (examples/compare.py's bootstrap of a difference).
+
+    Raises:
+        ValueError: the catalog has fewer than `ranked_items(k_next, ks)` items.
+    """
     context, targets, history = eval_arrays(ds, holdout, stage, context_len)
-    top = max(*ks, k_next)
+    top = ranked_items(k_next, ks)
     if top > ds.num_items:
         raise ValueError(f"cannot rank the top {top} of a catalog of {ds.num_items} items")
-    sums: dict[str, float] = {}
+    chunks: dict[str, list[np.ndarray]] = {}
     for lo in range(0, ds.num_users, batch_size):
         rows = slice(lo, min(lo + batch_size, ds.num_users))
         n = rows.stop - rows.start
@@ -65,8 +88,8 @@ def evaluate(query: QueryFn, ds: SeqDataset, holdout: int, stage: str, *, contex
         _, ids = full_catalog_topk(hidden, item_weight, top, bias, block_v=block_v, exclude=exclude)
         per_user = ranking_metrics(ids[:n].cpu(), to_catalog_ids(torch.from_numpy(targets[rows])), ks, k_next)
         for name, values in per_user.items():
-            sums[name] = sums.get(name, 0.0) + float(values.sum())
-    return {name: total / ds.num_users for name, total in sums.items()}
+            chunks.setdefault(name, []).append(values.double().numpy())
+    return {name: np.concatenate(parts) for name, parts in chunks.items()}
 
 
 def _pad_rows(x: torch.Tensor, rows: int, fill: int = 0) -> torch.Tensor:
@@ -96,4 +119,4 @@ def format_metrics(metrics: dict[str, float]) -> str:
     return " ".join(f"{name} {value:.4f}" for name, value in metrics.items() if not math.isnan(value))
 
 
-__all__ = ["evaluate", "model_query", "popularity_query", "ranking_metrics", "format_metrics"]
+__all__ = ["KS", "evaluate", "evaluate_users", "ranked_items", "model_query", "popularity_query", "ranking_metrics", "format_metrics"]

@@ -49,7 +49,7 @@ from examples.config import TrainConfig, parse_args
 from examples.checkpoint import (ResumeError, RunError, TrainState, atomic_save, load_model_state,  # noqa: F401
                                  model_state, save_checkpoint, start_or_resume)
 from examples.device import get_device, make_mesh, shard, sync
-from examples.evaluate import evaluate, format_metrics, model_query, popularity_query
+from examples.evaluate import evaluate, evaluate_users, format_metrics, model_query, popularity_query, ranked_items
 # multi_hot: benchmarks/tpu_torch_step.py imports it from here.
 from examples.losses import bce_loss, multi_hot, sampled_bce_loss, softmax_ce_loss  # noqa: F401
 from examples.sasrec import RecConfig, SASRec
@@ -183,6 +183,8 @@ def load_data(cfg: TrainConfig) -> tuple[data.SeqDataset, np.ndarray, bool]:
         ds = data.drop_short_users(ds, 2 * cfg.holdout + 1)
     except ValueError as error:
         raise RunError(f"--holdout {cfg.holdout}: {error}") from error
+    if ds.num_items < ranked_items(cfg.k):  # --dataset synthetic: refused at parse time (config.py)
+        raise RunError(f"{source}: {ds.num_items} items, fewer than the top {ranked_items(cfg.k)} the metrics rank")
     windows = data.train_windows(ds, cfg.holdout, cfg.max_len, cfg.labels)
     exclude_seen = {"yes": True, "no": False, "auto": not ds.has_repeats()}[cfg.exclude_seen]
     return ds, windows, exclude_seen
@@ -271,7 +273,7 @@ def validate(run: Run, state: TrainState) -> dict[str, float]:
     Keeps the best model so far in best.pt and counts epochs without improvement for --patience.
     """
     run.model.eval()
-    val = evaluate_model(run, "val")
+    val, _ = evaluate_model(run, "val")
     epoch_losses = state.losses[len(state.losses) - state.step_in_epoch:]
     train_loss = float(np.mean(epoch_losses)) if epoch_losses else float("nan")
     state.val.append(dict(epoch=state.epoch, step=state.step, train_loss=train_loss, **val))
@@ -286,14 +288,14 @@ def validate(run: Run, state: TrainState) -> dict[str, float]:
     return val
 
 
-def evaluate_model(run: Run, stage: str) -> dict[str, float]:
-    """Full-catalog metrics of the model. --fsdp: every rank ranks every user against the gathered
-    table (the same computation as one process); rank 0's metrics are every rank's, so that model
-    selection and --patience decide alike everywhere."""
-    if run.ranks is None:
-        return evaluate(model_query(run.model), run.ds, run.cfg.holdout, stage, device=run.device, **run.eval_kwargs)
-    metrics = evaluate(fsdp.query(run.model), run.ds, run.cfg.holdout, stage, device=run.device, **run.eval_kwargs)
-    return fsdp.broadcast(metrics)
+def evaluate_model(run: Run, stage: str) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+    """Full-catalog metrics of the model: their means and every user's. --fsdp: every rank ranks every
+    user against the gathered table (the same computation as one process); rank 0's means are every
+    rank's, so that model selection and --patience decide alike everywhere."""
+    query = model_query(run.model) if run.ranks is None else fsdp.query(run.model)
+    users = evaluate_users(query, run.ds, run.cfg.holdout, stage, device=run.device, **run.eval_kwargs)
+    means = {name: float(values.mean()) for name, values in users.items()}
+    return (means if run.ranks is None else fsdp.broadcast(means)), users
 
 
 def test_and_report(run: Run, state: TrainState, t_start: float) -> dict:
@@ -304,7 +306,7 @@ def test_and_report(run: Run, state: TrainState, t_start: float) -> dict:
     if best_path.exists() if run.ranks is None else fsdp.broadcast(best_path.exists()):  # rank 0's file
         load_model_state(run, torch.load(best_path, weights_only=False)["model"] if run.main else {})
     run.model.eval()
-    test = evaluate_model(run, "test")
+    test, test_users = evaluate_model(run, "test")
     popularity = {stage: evaluate(popularity_query(ds, cfg.holdout, stage), ds, cfg.holdout, stage, **run.eval_kwargs)
                   for stage in ("val", "test")}
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -325,6 +327,7 @@ def test_and_report(run: Run, state: TrainState, t_start: float) -> dict:
     if not run.main:
         return result
     (run.out_dir / "metrics.json").write_text(json.dumps(result, indent=2))
+    np.savez(run.out_dir / "test_users.npz", **test_users)  # per test user, for examples/compare.py
     plot_curves(state, popularity["val"], run.out_dir / "curves.png")
     print(f"test  ({cfg.model}, {cfg.loss}, best epoch {state.best_epoch}): {format_metrics(test)}")
     print(f"test  (popularity): {format_metrics(popularity['test'])}")
@@ -335,7 +338,7 @@ def test_and_report(run: Run, state: TrainState, t_start: float) -> dict:
                   **tested["item_row_norm"]))
     print(f"peak RSS {result['peak_rss_mib']:.0f} MiB, {result['positions_per_s']:.0f} positions/s, "
           f"wall {result['wall_s']:.0f}s, CPU {result['cpu_s']:.0f}s; "
-          f"wrote {run.out_dir / 'metrics.json'} and {run.out_dir / 'curves.png'}")
+          f"wrote metrics.json, test_users.npz and curves.png to {run.out_dir}")
     return result
 
 
@@ -437,7 +440,11 @@ def train(cfg: TrainConfig, *, after_step: Callable[[int], None] | None = None) 
     model, optimizer, pos_weight = build_model(cfg, ds.num_items, device, mesh, ranks)
     run = Run(cfg, ds, windows, exclude_seen, device, mesh, model, optimizer, pos_weight, out_dir, ranks=ranks)
     if cfg.loss == "sampled":
-        run.users, run.sampler = data.window_users(ds, cfg.holdout, cfg.max_len), data.NegativeSampler(ds, cfg.holdout)
+        run.users = data.window_users(ds, cfg.holdout, cfg.max_len)
+        try:
+            run.sampler = data.NegativeSampler(ds, cfg.holdout)
+        except ValueError as error:  # a user has seen the whole catalog: the data decide, not a flag
+            raise RunError(f"--loss sampled: {error}") from error
     if run.main:
         print(f"{ds.name}: {ds.num_users} users, {ds.num_items} items, {len(ds.items)} events, "
               f"{len(windows)} training windows of {cfg.max_len}, {run.steps_per_epoch} steps/epoch, "

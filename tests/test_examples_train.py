@@ -281,7 +281,7 @@ def test_run_writes_metrics_and_curves(tmp_path):
         (dict(max_len=0), "--max-len must be >= 1"),
         (dict(exclude_seen="maybe"), "--exclude-seen"),
         (dict(dim=30, num_heads=4), "--dim 30 must be divisible by --num-heads 4"),
-        (dict(synthetic_items=-5), "--synthetic-items must be >= 2, got -5"),
+        (dict(synthetic_items=-5), r"--synthetic-items must be >= 20 \(the top items the metrics rank"),
         (dict(num_layers=-1), "--num-layers must be >= 0"),
         (dict(dropout=1.0), r"--dropout must be in \[0, 1\), got 1.0"),
         (dict(lr=0.0), "--lr must be > 0"),
@@ -336,7 +336,7 @@ def test_every_flag_has_help_and_its_default():
         (["--loss", "focal", "--focal-gamma", "inf"], "--focal-gamma must be a finite number, got inf"),
         (["--loss", "focal", "--focal-gamma", "1e39"], "--focal-gamma / --focal-alpha: focal gamma must be at most 32"),
         (["--device", "xla", "--mesh", "0x2"], "--mesh takes DATAxMODEL device counts"),
-        (["--synthetic-items", "1"], "--synthetic-items must be >= 2, got 1"),
+        (["--synthetic-items", "1"], r"--synthetic-items must be >= 20 \(.*\), got 1"),
     ],
 )
 def test_bad_flags_exit_with_a_usage_error(capsys, argv, message):
