@@ -279,6 +279,36 @@ def test_the_tuning_command_writes_a_choice_the_next_process_reads(tmp_path):
     assert subprocess.run(read, cwd=ROOT, env=env, capture_output=True, text=True).stdout.split()[-1] == "c_kernel"
 
 
+@pytest.mark.parametrize("flag, value", [("--num-items", "0"), ("--num-items", "-3"), ("--num-positions", "-1"),
+                                         ("--num-targets", "-2"), ("--hidden-size", "-1"), ("--threads", "-3"),
+                                         ("--rounds", "0"), ("--rounds", "2.5")])
+def test_the_tuning_command_refuses_a_bad_number_before_it_runs(flag, value, capsys, monkeypatch):
+    """Issue 39: a number out of range was a torch traceback from inside the tuning run (exit 1);
+    now every numeric flag is a usage error at parse time (exit 2) naming the flag and the value."""
+    from torch_cutbce import tune_tiles
+
+    def tune(*_):
+        raise AssertionError(f"the tuning ran: {flag} {value} was not refused when parsed")
+
+    monkeypatch.setattr(tune_tiles, "_tune", tune)
+    with pytest.raises(SystemExit) as exited:
+        tune_tiles.main([flag, value])
+    assert exited.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert errors == [f"python -m torch_cutbce.tune_tiles: error: argument {flag}: expected a positive integer, "
+                      f"got '{value}'"], errors
+
+
+def test_the_tuning_command_says_a_bad_number_without_a_traceback(tmp_path):
+    """The same as the user sees it: exit 2, usage and one error line, no traceback."""
+    env = {**os.environ, "TORCH_CUTBCE_CACHE_DIR": str(tmp_path)}
+    command = [sys.executable, "-m", "torch_cutbce.tune_tiles", "--dry-run", "--num-items", "0"]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1].endswith("argument --num-items: expected a positive integer, got '0'")
+    assert done.stdout == "" and not any(tmp_path.iterdir())  # nothing built, nothing measured
+
+
 # -- JAX ----------------------------------------------------------------------------------------------------
 
 

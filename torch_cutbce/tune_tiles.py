@@ -115,22 +115,37 @@ def _tune(framework: str, args) -> bool:
     return bool(timings)
 
 
-def main(argv: list[str] | None = None) -> int:
+def positive_int(text: str) -> int:
+    """An argparse `type`: `text` as an integer of at least 1, else a usage error naming the flag
+    (exit 2), not a traceback from deep inside the tuning run."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def argument_parser() -> argparse.ArgumentParser:
+    """The command's flags, every number checked as it is parsed (`positive_int`)."""
     parser = argparse.ArgumentParser(prog="python -m torch_cutbce.tune_tiles", description=__doc__.splitlines()[0])
     parser.add_argument("--framework", choices=("torch", "jax", "both"), default="torch")
-    parser.add_argument("--rounds", type=int, default=tile_choice.ROUNDS)
-    parser.add_argument("--num-positions", type=int, default=4096)
-    parser.add_argument("--num-items", type=int, default=32768)
-    parser.add_argument("--hidden-size", type=int, default=64)
-    parser.add_argument("--num-targets", type=int, default=8)
-    parser.add_argument("--threads", type=int, default=0, help="torch's threads (default: torch's own)")
+    parser.add_argument("--rounds", type=positive_int, default=tile_choice.ROUNDS)
+    parser.add_argument("--num-positions", type=positive_int, default=4096)
+    parser.add_argument("--num-items", type=positive_int, default=32768)
+    parser.add_argument("--hidden-size", type=positive_int, default=64)
+    parser.add_argument("--num-targets", type=positive_int, default=8)
+    parser.add_argument("--threads", type=positive_int, help="torch's threads (default: torch's own)")
     parser.add_argument("--tiles", nargs="+", choices=("c_kernel", "compiled", "eager", "xla"),
                         help="the candidates to measure (default: every one that runs here)")
     parser.add_argument("--dry-run", action="store_true", help="measure and print, write nothing")
     parser.add_argument("--forget", action="store_true", help="delete the tuned choice: the C kernel runs again")
-    args = parser.parse_args(argv)
-    if args.rounds < 1:
-        parser.error("--rounds must be at least 1")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = argument_parser().parse_args(argv)
     if os.environ.get(tile_choice.ENV, "auto") not in ("", "auto"):
         print(f"note: {tile_choice.ENV}={os.environ[tile_choice.ENV]} is set: it overrides any tuned choice "
               f"in processes that keep it set")
