@@ -3,9 +3,11 @@
 Framework-neutral: torch loads the C library through ctypes, JAX the FFI one. Each library is built
 for the CPU it runs on and cached, keyed by sources, flags, compiler and CPU; a cached one is loaded
 only if it matches its recorded SHA-256 and has its symbols, since a damaged library can kill the
-process inside dlopen. A build says so before it starts, as the caller's `warning` (once per
-machine; a cached library loads without a word). Any failure is a BuildError, which the callers turn
-into one warning and their portable tiles. Every warning of the CPU tiles goes through
+process inside dlopen. Before a build the compiler must build a one-line library with the build's
+flags (`unusable`), so a compiler that is missing, is no compiler (`CC=/bin/false`) or lacks a flag
+(OpenMP) is one BuildError naming it and the cause, before anything is said of a build. A build says
+so before it starts, as the caller's `warning` (once per machine; a cached library loads without a
+word). Any failure is a BuildError, which the callers turn into one warning and their portable tiles. Every warning of the CPU tiles goes through
 `warn_at_caller`, so it names the user's line, not one inside the library or the frameworks. Compiler,
 flags, cache and switches: docs/toolchain.md, 'The CPU tile kernel's build'.
 """
@@ -204,9 +206,13 @@ def _build(source: str, compiler: str, extra_flags: list[str], extra_sources=(),
     except OSError as error:
         raise BuildError(f"cannot write the kernel cache {target.parent} ({error}); "
                          f"set TORCH_CUTBCE_CACHE_DIR to a writable folder") from error
+    language, variable = _LANGUAGES[Path(source).suffix]
     announce = announce or _Build("torch_cutbce", source, "a few seconds", UserWarning)
-    announce.announce(compiler, target.parent, damaged)
     try:
+        problem = unusable(variable, compiler, language, tuple(command_flags))
+        if problem:  # said instead of a build that cannot start
+            raise BuildError(problem)
+        announce.announce(compiler, target.parent, damaged)
         result = subprocess.run([compiler, *command_flags, str(_HERE / source), "-o", str(temporary)],
                                 capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
@@ -220,6 +226,53 @@ def _build(source: str, compiler: str, extra_flags: list[str], extra_sources=(),
     finally:
         temporary.unlink(missing_ok=True)
     return target
+
+
+_LANGUAGES = {".c": ("C", "CC"), ".cc": ("C++", "CXX")}  # a source's language, and the variable naming its compiler
+_PROBE_SOURCE = "int cutbce_probe(void) { return 0; }\n"
+
+
+def unusable(variable: str, compiler: str, language: str, probe_flags: tuple[str, ...] = ()) -> str | None:
+    """None where `compiler` builds a one-line `language` ('C' or 'C++') shared library with
+    `probe_flags` (plus `-shared -fPIC`), else why not, in one line naming it as the user did
+    (`$variable` where that is set): "$CC='/bin/false' is not a working C compiler: ...". One
+    compiler run of a few tens of ms: the callers run it before a build or a compile, never where a
+    cached library loads."""
+    configured = os.environ.get(variable)
+    who = f"${variable}={configured!r}" if configured else Path(compiler).name
+    shown = " ".join([Path(compiler).name, *probe_flags[:2], *["..."][:len(probe_flags) > 2], "-x",
+                      language.lower(), "-"])
+    try:
+        folder = tempfile.mkdtemp(prefix="cutbce-probe-")
+    except OSError:
+        return None  # nowhere to try it: the build itself will say what fails
+    library = Path(folder) / "probe.so"
+    try:
+        result = subprocess.run([compiler, *probe_flags, "-shared", "-fPIC", "-x", language.lower(), "-",
+                                 "-o", str(library)], input=_PROBE_SOURCE, capture_output=True, text=True,
+                                timeout=120)
+        wrote = library.exists() and library.stat().st_size > 0
+    except (OSError, subprocess.SubprocessError) as error:
+        return f"{who} is not a working {language} compiler: cannot run it ({error})"
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    if result.returncode != 0:
+        said = _first_error(result.stderr + result.stdout)
+        return (f"{who} is not a working {language} compiler: `{shown}` on a one-line source exited with "
+                f"status {result.returncode}{', saying ' + repr(said) if said else ', printing nothing'}")
+    if not wrote:
+        return f"{who} is not a working {language} compiler: `{shown}` on a one-line source wrote no library"
+    return None
+
+
+def _first_error(text: str) -> str:
+    """The line of a compiler's output that says what is wrong (the first naming an error, else
+    the last), shortened: the cause in a one-line warning."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        return ""
+    line = next((line for line in lines if "error" in line.lower()), lines[-1])
+    return line if len(line) <= 300 else line[:297] + "..."
 
 
 def _digest_path(library: Path) -> Path:

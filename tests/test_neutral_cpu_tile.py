@@ -253,8 +253,13 @@ def test_the_library_is_built_once_and_cached(tmp_path, monkeypatch):
 
 def test_build_failures_are_build_errors(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_CUTBCE_CACHE_DIR", str(tmp_path / "cache"))
-    with pytest.raises(cpu_tile_build.BuildError, match="failed on cpu_tile.c"):
-        cpu_tile_build._build("cpu_tile.c", "/bin/false", [])  # a compiler that exits 1
+    monkeypatch.setenv("CC", "/bin/false")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # issue 39: no build is announced for a compiler that is none
+        with pytest.raises(cpu_tile_build.BuildError, match=r"^\$CC='/bin/false' is not a working C compiler: "
+                                                           r"`false -O3 -march=\S+ \.\.\. -x c -` .* exited with "
+                                                           r"status 1, printing nothing$"):
+            cpu_tile_build._build("cpu_tile.c", "/bin/false", [])  # a compiler that exits 1
     assert not any((tmp_path / "cache").iterdir())
     blocked = tmp_path / "file"
     blocked.write_text("not a folder")

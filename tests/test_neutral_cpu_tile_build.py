@@ -5,7 +5,9 @@
   ctypes library (torch) and the FFI one (JAX), in a fresh process each (dlopen of a damaged file
   killed the process with SIGBUS / SIGSEGV).
 - A loadable library without the kernel's symbols is a BuildError (one warning, the fallback tiles).
-- A `$CC` that does not exist is a BuildError naming it, not a silent switch to another compiler.
+- A `$CC` that does not exist is a BuildError naming it, not a silent switch to another compiler;
+  one that is no compiler (`CC=/bin/false CXX=/bin/false`) is one line naming it, whatever paths of
+  a process need it (the kernel's build, torch.compile's tiles), and the fallback is exact.
 - A build says so once, before it starts, at the caller's line (docs/install.md, 'What the first call
   says'), and is all a first call says: no tile is timed, JAX runs the FFI kernel by default
   (torch's first call: tests/test_torch_first_call.py; the tuned choice: tests/test_neutral_tile_choice.py).
@@ -67,9 +69,9 @@ print(json.dumps({"warnings": [str(w.message) for w in caught if str(w.message).
 """
 
 
-def _run(script: str, cache: Path) -> dict:
-    """One fresh process with the kernel cache `cache` and the default tile (nothing forced)."""
-    env = {**os.environ, "TORCH_CUTBCE_CACHE_DIR": str(cache)}
+def _run(script: str, cache: Path, **variables: str) -> dict:
+    """One fresh process with the kernel cache `cache`, the default tile (nothing forced) and `variables`."""
+    env = {**os.environ, "TORCH_CUTBCE_CACHE_DIR": str(cache), **variables}
     for name in ("TORCH_CUTBCE_NO_COMPILE", "TORCH_CUTBCE_TILE"):
         env.pop(name, None)
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -179,3 +181,51 @@ def test_the_build_records_the_librarys_digest(tmp_path, monkeypatch):
     assert recorded == cpu_tile_build._file_digest(library) and cpu_tile_build._intact(library)
     library.write_bytes(library.read_bytes() + b"\0")
     assert not cpu_tile_build._intact(library)
+
+
+# What a user sees: the warnings as Python prints them on stderr, then the loss ('mean', backward)
+# against the dense reference in float64.
+_MEAN_BACKWARD_RUN = """
+import torch
+from torch_cutbce import cut_bce_with_logits
+from torch_cutbce.reference import dense_bce_with_logits
+g = torch.Generator().manual_seed(0)
+h, e = torch.randn(33, 8, generator=g).requires_grad_(), torch.randn(301, 8, generator=g).requires_grad_()
+t = torch.randint(-1, 301, (33, 4), generator=g)
+cut_bce_with_logits(h, e, t, reduction="mean").backward()
+hd, ed = h.detach().double().requires_grad_(), e.detach().double().requires_grad_()
+dense_bce_with_logits(hd, ed, t, reduction="mean").backward()
+print(max(((h.grad - hd.grad).abs().max() / hd.grad.abs().max()).item(),
+          ((e.grad - ed.grad).abs().max() / ed.grad.abs().max()).item()))
+"""
+
+
+def test_a_compiler_that_is_not_one_is_said_once_and_the_fallback_is_exact(tmp_path):
+    """Issue 39: `CC=/bin/false CXX=/bin/false` (executables, not compilers) said four warnings: the
+    kernel's build announced, its failure with an empty compiler output, torch.compile's compile
+    announced, and inductor's error text. Now one line names the cause and what runs instead.
+    CXX too: it is torch.compile's compiler on the CPU, the fallback the kernel's failure reaches
+    (with a working one that path compiles for 10-60 s; the kernel's side alone:
+    test_neutral_cpu_tile.py, test_build_failures_are_build_errors)."""
+    env = {**os.environ, "CC": "/bin/false", "CXX": "/bin/false", "TORCH_CUTBCE_CACHE_DIR": str(tmp_path / "kernel"),
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}  # an empty cache: nothing built before is loaded
+    for name in ("TORCH_CUTBCE_NO_COMPILE", "TORCH_CUTBCE_TILE", "PYTHONWARNINGS"):
+        env.pop(name, None)
+    done = subprocess.run([sys.executable, "-c", _MEAN_BACKWARD_RUN], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = [line for line in done.stderr.splitlines() if "compiler" in line or "torch_cutbce" in line]
+    assert len(said) == 1, done.stderr
+    assert re.search(r"TileCompileWarning: torch_cutbce: the CPU tile kernel could not be built \(\$CC='/bin/false' "
+                     r"is not a working C compiler: .*\), and torch.compile cannot compile here \(\$CXX='/bin/false' "
+                     r"is not a working C\+\+ compiler: .*\), so CPU tiles run eager", said[0]), said[0]
+    assert float(done.stdout.split()[-1]) <= 1e-5, done.stdout
+
+
+@pytest.mark.jax
+def test_jax_says_a_cxx_that_is_not_a_compiler_once(tmp_path):
+    result = _run(_JAX_RUN, tmp_path, CXX="/bin/false")
+    assert len(result["warnings"]) == 1 and result["tile"] == "xla", result
+    assert re.match(r"jax_kernels: the CPU tile kernel could not be built \(\$CXX='/bin/false' is not a working "
+                    r"C\+\+ compiler: .*\); using jnp tiles", result["warnings"][0]), result
+    assert result["error"] <= 1e-5, result

@@ -203,11 +203,11 @@ def _cpu_library():
     except cpu_tile_build.BuildError as error:
         if _cpu_compiling_allowed():
             instead = "; float32 CPU tiles use torch.compile's tiles instead (compiled once per process)"
-        elif _cxx_found():
+        elif _cxx_problem() is None:
             instead = "; float32 CPU tiles run eager instead, about 2x slower"
-        else:
+        else:  # one line for both compilers: the tiles' first compile would not say it again
             _no_cxx_said = True
-            instead = f", and {_NO_CXX}"
+            instead = f", and {_cxx_problem()}"
         _warn(f"torch_cutbce: the CPU tile kernel could not be built ({error}){instead}")
         return None
 
@@ -217,14 +217,20 @@ _NO_CXX = ("torch.compile has no C++ compiler here ($CXX, else g++), so CPU tile
 
 
 @functools.cache
-def _cxx_found() -> bool:
-    """Whether inductor's CPU code has its C++ compiler (`$CXX`, else g++): without one CPU
-    torch.compile fails, after a trace of about 10 s, so it is not tried."""
-    return shutil.which(os.environ.get("CXX") or "g++") is not None
+def _cxx_problem() -> str | None:
+    """None where inductor's CPU code has a working C++ compiler (`$CXX`, else g++: it builds a
+    one-line library, `cpu_tile_build.unusable`), else what to say, with the cause. Without one CPU
+    torch.compile fails after a trace of about 10 s (inductor's own error, pages long), so it is not
+    tried. Probed once per process, only where a CPU tile would compile."""
+    compiler = shutil.which(os.environ.get("CXX") or "g++")
+    if compiler is None:
+        return _NO_CXX
+    problem = cpu_tile_build.unusable("CXX", compiler, "C++")
+    return problem and f"torch.compile cannot compile here ({problem}), so CPU tiles run eager, about 2x slower"
 
 
 def _cpu_compiling_allowed() -> bool:
-    return _compiling_allowed() and _cxx_found()
+    return _compiling_allowed() and _cxx_problem() is None
 
 
 _CPU_KERNEL_FUNCTIONS = ("rows", "rows_grad", "grad", "counts")
@@ -402,10 +408,10 @@ def _can_compile(z: torch.Tensor) -> bool:
     if not _compiling_allowed() or z.dtype != torch.float32 or min(z.shape) < 2:
         return False
     if z.device.type == "cpu":
-        if not _cxx_found() and not _no_cxx_said:
+        if _cxx_problem() is not None and not _no_cxx_said:
             _no_cxx_said = True
-            _warn(f"torch_cutbce: {_NO_CXX}")
-        return _cxx_found()
+            _warn(f"torch_cutbce: {_cxx_problem()}")
+        return _cxx_problem() is None
     if z.device.type == "cuda":
         from torch.utils._triton import has_triton
 
@@ -450,12 +456,18 @@ def _run_compiled(name: str, z: torch.Tensor, *args):
             out = _compiled(name, torch.get_num_threads(), form)(z, *compiled_args)
     except Exception as error:  # a missing compiler, an inductor bug: the eager twin is exact too
         _compile_failed = True
-        _warn(f"torch_cutbce: torch.compile of the tile function failed ({error!r}); "
+        _warn(f"torch_cutbce: torch.compile of the tile function failed ({_first_line(error)}); "
               f"using eager tiles from now on (set TORCH_CUTBCE_NO_COMPILE=1 to skip the attempt)")
         return _EAGER[name](z, *args)
     if first:
         _compile_seconds[key] = time.perf_counter() - start
     return out
+
+
+def _first_line(error: Exception) -> str:
+    """`error` in one line: its type and first line (inductor's errors run on for pages)."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else repr(error)
 
 
 # Shapes: z and out `[bn, bv]` (contiguous), cw `[1, bv]` or None, g `[bn, 1]`.
