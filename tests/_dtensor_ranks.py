@@ -3,17 +3,20 @@
 Every rank has its own positions (uneven counts and target widths, padded positions, duplicates,
 large logits: `parity.make_inputs`) and the one table, laid out as the case says. A case returns
 the rank's loss, metrics and gradients of `sum(loss * upstream)`, with a non-uniform upstream of
-the rank's own; the test compares them with a float64 oracle of one process.
+the rank's own; the test compares them with a float64 oracle of one process. Beside the cases
+(issue 39): a step on a table with fewer rows than ranks, and bad batches on rank 1 alone.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.distributed as dist
 
 import torch_cutbce as tc
 from cutbce_common.loss import Loss
-from parity import make_inputs, select, torch_dtype
+from parity import REDUCTIONS, make_inputs, select, torch_dtype
 
 V, D = 301, 12
 FOCAL = tc.Focal(gamma=1.5, alpha=0.25, apply_class_balancing=True)
@@ -81,9 +84,7 @@ def run_case(rank: int, world: int, name: str, mesh) -> dict:
            for k, v in table(dtype).items()}
     placement = {"shard": [Shard(0)], "replicate": [Replicate()], "hsdp": [Replicate(), Shard(0)]}[table_layout]
     if table_layout == "hsdp":
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        mesh = _hsdp_mesh()
     plain = ("class_weight", "pos_weight") if name.startswith("plain-constants") else ()
     tab = {k: v if k in plain else distribute_tensor(v, mesh, placement) for k, v in tab.items()}
     source = 0 if position_layout == "replicate" else rank
@@ -124,15 +125,27 @@ def run_case(rank: int, world: int, name: str, mesh) -> dict:
     return out
 
 
+def _hsdp_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+
+
 def cases_program(rank: int, world: int) -> dict:
-    """Every case for this world, the refusals, and the FSDP2 runs (tests/_fsdp_ranks.py): one
-    spawn of the ranks per world."""
+    """Every case for this world, the refusals, the table with fewer rows than ranks, the FSDP2
+    runs (tests/_fsdp_ranks.py) and the bad batches: one spawn of the ranks per world."""
     import _fsdp_ranks
+    from torch.distributed.tensor import Replicate, Shard
 
     mesh = _mesh(world)
     out = {name: run_case(rank, world, name, mesh) for name in cases_for(world)}
     out["refusals"] = refusals(mesh)
+    out["empty-shard"] = {(r, b): empty_shard_step(rank, world, mesh, r, b) for r in REDUCTIONS for b in BACKENDS}
     out["fsdp"] = _fsdp_ranks.fsdp_program(rank, world, tuple(_fsdp_ranks.VARIANTS))
+    # Last: with a rank left waiting, the test's timeout ends the run.
+    out["bad-batches"] = bad_batches(rank, mesh, [Shard(0)])
+    if world == 4:  # HSDP: the replicas stop too
+        out["bad-batches-hsdp"] = bad_batches(rank, _hsdp_mesh(), [Replicate(), Shard(0)])
     return out
 
 
@@ -174,4 +187,82 @@ def refusals(mesh) -> dict:
         out["vocab-parallel"] = None
     except Exception as error:  # noqa: BLE001
         out["vocab-parallel"] = (type(error).__name__, str(error))
+    return out
+
+
+# Fewer items than ranks (issue 39): V = P - 1, so the last rank's Shard(0) is empty (at P = 2 the
+# `[1, D]` table of the issue). A step is the loss, clip_grad_norm_ and an SGD step: both run
+# collectives over every rank's gradients, so a rank without one would fail them.
+BACKENDS = ("auto", "dense")
+CLIP_NORM, STEP_LR = 0.05, 0.5
+
+
+def small_table(world: int) -> dict:
+    inputs = make_inputs((4,), world - 1, D, 2, seed=1)
+    return {k: torch.as_tensor(inputs[k]) for k in ("item_weight", "bias")}
+
+
+def small_positions(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inputs = make_inputs((4 + rank,), world - 1, D, 2, seed=20 + rank)
+    return torch.as_tensor(inputs["hidden"]), torch.as_tensor(inputs["targets"])
+
+
+def small_upstream(rank: int, reduction: str) -> torch.Tensor:
+    shape = (4 + rank,) if reduction == "none" else ()
+    return torch.rand(shape, generator=torch.Generator().manual_seed(200 + rank), dtype=torch.float64) + 0.5
+
+
+def empty_shard_step(rank: int, world: int, mesh, reduction: str, backend: str) -> dict:
+    """One step on a table of V = P - 1 rows: each rank's gradients (local part and placements),
+    the total norm clip_grad_norm_ saw, and the table after the step, whole."""
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    params = {k: distribute_tensor(v.float(), mesh, [Shard(0)]).requires_grad_(True)
+              for k, v in small_table(world).items()}
+    hidden, targets = small_positions(rank, world)
+    loss = tc.cut_bce_with_logits(hidden.float(), params["item_weight"], targets, params["bias"],
+                                  reduction=reduction, backend=backend)
+    (loss * small_upstream(rank, reduction).float()).sum().backward()
+    grads = {k: p.grad for k, p in params.items()}
+    out = {"grad_type": {k: type(g).__name__ for k, g in grads.items()},
+           "grad_placements": {k: tuple(str(x) for x in g.placements) for k, g in grads.items()
+                               if isinstance(g, DTensor)}}
+    if len(out["grad_placements"]) < len(grads):  # a rank without a gradient: the collectives below would fail
+        return out
+    norm = torch.nn.utils.clip_grad_norm_(list(params.values()), CLIP_NORM)
+    out["norm"] = (norm.full_tensor() if isinstance(norm, DTensor) else norm).double()
+    out |= {f"d_{k}": g.to_local().double() for k, g in grads.items()}  # clipped
+    torch.optim.SGD(list(params.values()), lr=STEP_LR).step()
+    return out | {f"stepped_{k}": p.detach().full_tensor().double() for k, p in params.items()}
+
+
+# Bad batches on rank 1 only (issue 39): each must stop every rank, none left in a collective.
+BAD_BATCHES = ("id-too-large", "hidden-size", "float-targets")
+
+
+def bad_batches(rank: int, mesh, placements) -> dict:
+    """Each bad batch on rank 1 (the others good) through a table laid out `placements` on `mesh`:
+    what each rank raised and how long the call took; then a good step, which runs only if the
+    ranks' collectives still pair."""
+    from torch.distributed.tensor import distribute_tensor
+
+    item_weight = distribute_tensor(torch.as_tensor(table("float32")["item_weight"]).float(), mesh, placements)
+    item_weight.requires_grad_(True)
+    out = {}
+    for name in (*BAD_BATCHES, "good"):
+        pos = positions(rank, "float32")
+        hidden, targets = torch.as_tensor(pos["hidden"]).float(), torch.as_tensor(pos["targets"]).clone()
+        if rank == 1 and name == "id-too-large":
+            targets[2, 0] = V + 6
+        elif rank == 1 and name == "hidden-size":
+            hidden = hidden[:, 1:]
+        elif rank == 1 and name == "float-targets":
+            targets = targets.float()
+        start = time.perf_counter()
+        try:
+            tc.cut_bce_with_logits(hidden, item_weight, targets).backward()
+            error = None
+        except Exception as raised:  # noqa: BLE001 (the test checks type and message)
+            error = (type(raised).__name__, str(raised))
+        out[name] = {"error": error, "seconds": time.perf_counter() - start}
     return out

@@ -5,12 +5,15 @@ function, their results handed back to the test process.
 
 `program` must be importable by name (spawned processes import it). Each rank is a fresh process
 with eager tiles (`TORCH_CUTBCE_NO_COMPILE=1`: no torch.compile per process) and one thread.
+`timeout_s=` kills the ranks and raises TimeoutError when they run longer: a rank left waiting in a
+collective then fails the test instead of hanging it.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+import time
 import warnings
 
 import torch
@@ -33,15 +36,28 @@ def _rank_entry(rank, world, init_file, out_dir, program, args):
     os._exit(0)
 
 
-def run_ranks(world: int, program, *args) -> list:
+def _join(context, timeout_s: float | None, what: str) -> None:
+    """`mp.spawn`'s join, or kill the ranks (the processes of `context`) past `timeout_s`."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not context.join(None if deadline is None else max(deadline - time.monotonic(), 0.0)):
+        if deadline is not None and time.monotonic() >= deadline:
+            for process in context.processes:
+                process.kill()
+                process.join()
+            raise TimeoutError(f"{what} still ran after {timeout_s} s (a rank waiting in a collective?)")
+
+
+def run_ranks(world: int, program, *args, timeout_s: float | None = None) -> list:
     """`program(rank, world, *args)` on `world` gloo ranks; its results, rank by rank."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         for attempt in (1, 2):
             try:
-                mp.spawn(_rank_entry, args=(world, os.path.join(tmp, f"init{attempt}"), tmp, program, args),
-                         nprocs=world, join=True)
+                context = mp.start_processes(
+                    _rank_entry, args=(world, os.path.join(tmp, f"init{attempt}"), tmp, program, args),
+                    nprocs=world, join=False, start_method="spawn")
+                _join(context, timeout_s, f"{world} ranks of {program.__name__}")
                 break
             except mp.ProcessExitedException as error:
                 # torch 2.13's gloo ranks have aborted now and then at exit (SIGABRT; about 1 run in

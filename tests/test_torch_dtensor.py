@@ -4,6 +4,8 @@ Each rank has its own positions and upstream gradient; the table is Shard(0) (un
 Replicate(), or the positions themselves are DTensors (tests/_dtensor_ranks.py). Data-parallel
 semantics (torch_cutbce/distributed.py): each rank's loss, metrics and d_hidden are its own
 positions' as on one device, the table's gradient is that of the mean of the ranks' losses.
+Issue 39: a table with fewer rows than ranks gives every rank a gradient, and a bad batch on one
+rank stops every rank.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import _dtensor_ranks as R
 import _fsdp_ranks as F
 import torch_cutbce as tc
 from distributed_harness import run_ranks
-from parity import TOLERANCES, assert_close, torch_dtype
+from parity import REDUCTIONS, TOLERANCES, assert_close, torch_dtype
 
 pytestmark = pytest.mark.rung3
 
@@ -26,7 +28,9 @@ WORLDS = (2, 3, 4)
 
 @pytest.fixture(scope="module", params=WORLDS, ids=[f"P{p}" for p in WORLDS])
 def ranks(request):
-    return request.param, run_ranks(request.param, R.cases_program)
+    # The timeout: a rank left waiting in a collective (a bad batch, a missing gradient) fails the
+    # run instead of hanging it; a run takes well under a minute.
+    return request.param, run_ranks(request.param, R.cases_program, timeout_s=600)
 
 
 def _dense(case: str, rank: int, world: int, dtype: str) -> dict:
@@ -112,7 +116,8 @@ def test_fsdp2_training_equals_one_process_on_the_mean_loss(ranks, variant):
     """3 SGD steps of a small FSDP2 model whose table the loss reads (tests/_fsdp_ranks.py) against
     one process training on the mean of the ranks' dense losses: within 1e-5 relative, and within
     the bfloat16 tolerance for bfloat16 parameters (the forward runs in bfloat16 there, the twin in
-    float32)."""
+    float32). Every rank holds a gradient for every parameter at each step, also with fewer items
+    than ranks (an empty table shard; those variants clip the gradients' norm)."""
     world, results = ranks
     twin = F.one_process(variant, world)
     param_dtype = F.VARIANTS[variant][4]
@@ -122,6 +127,76 @@ def test_fsdp2_training_equals_one_process_on_the_mean_loss(ranks, variant):
         got = result["fsdp"][variant]
         # The loss read the Shard(0) DTensor wherever FSDP2 had resharded the table.
         assert all(got["read_sharded"]) if reshard else not any(got["read_sharded"]), got["read_sharded"]
+        assert all(got["with_grad"]), f"P{world} rank{rank} {variant}: a parameter without a gradient"
         for name, value in twin.items():
             err = float((got["params"][name] - value).abs().max() / value.abs().max())
             assert err <= TOLERANCES[dtype], f"P{world} rank{rank} {variant} {name}: {err:.2e}"
+
+
+def _empty_shard_oracle(world: int, reduction: str) -> dict:
+    """One process, float64: the table's gradient of the mean of the ranks' losses on the V = P - 1
+    table (tests/_dtensor_ranks.py), its norm, the gradient clipped as clip_grad_norm_ does, and the
+    table after the SGD step."""
+    table = {k: v.clone().requires_grad_(True) for k, v in R.small_table(world).items()}
+    for rank in range(world):
+        hidden, targets = R.small_positions(rank, world)
+        loss = tc.dense_bce_with_logits(hidden, table["item_weight"], targets, table["bias"], reduction=reduction)
+        ((loss * R.small_upstream(rank, reduction)).sum() / world).backward()
+    norm = torch.cat([p.grad.flatten() for p in table.values()]).norm()
+    scale = min(1.0, R.CLIP_NORM / (float(norm) + 1e-6))
+    out = {"norm": norm}
+    for k, p in table.items():
+        out[f"d_{k}"] = p.grad * scale
+        out[f"stepped_{k}"] = p.detach() - R.STEP_LR * p.grad * scale
+    return out
+
+
+@pytest.mark.parametrize("backend", R.BACKENDS)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_every_rank_gets_a_gradient_with_fewer_items_than_ranks(ranks, reduction, backend):
+    """V = P - 1 rows Shard(0): the last rank's shard is empty, yet it gets gradients of local shape
+    (0, D) and (0,) with the table's placements, so clip_grad_norm_ and SGD run on every rank; the
+    norm, each rank's clipped gradient rows and the stepped table match the oracle."""
+    world, results = ranks
+    want = _empty_shard_oracle(world, reduction)
+    for rank, result in enumerate(results):
+        got = result["empty-shard"][(reduction, backend)]
+        assert got["grad_type"] == {"item_weight": "DTensor", "bias": "DTensor"}, f"P{world} rank{rank} {got}"
+        assert set(got["grad_placements"].values()) == {("S(0)",)}, got["grad_placements"]
+        for key in ("norm", "d_item_weight", "d_bias", "stepped_item_weight", "stepped_bias"):
+            expected = want[key]
+            if key.startswith("d_"):  # this rank's rows: torch.chunk's, as Shard(0) lays them out
+                chunks = expected.chunk(world)
+                expected = chunks[rank] if rank < len(chunks) else expected[:0]
+            assert got[key].shape == expected.shape, f"P{world} rank{rank} {key}: {got[key].shape}"
+            err = float((got[key] - expected).abs().max()) / float(want[key].abs().max()) if expected.numel() else 0.0
+            assert err <= TOLERANCES["float32"], f"P{world} rank{rank} {reduction} {backend} {key}: {err:.2e}"
+
+
+# A bad batch on rank 1 only: every rank raises (the same error for an id >= V and a wrong hidden
+# size; rank 1's own and one naming it for other refusals), each call within seconds. A rank left
+# waiting in a collective would hang its run: the fixture's timeout fails it instead.
+BAD_BATCH_ERRORS = {
+    "id-too-large": (r"ValueError", rf"targets on rank 1 holds item id {R.V + 6}, but item_weight has only V={R.V} "),
+    "hidden-size": (r"ValueError", rf"hidden on rank 1 has hidden size D={R.D - 1}, but item_weight is "
+                                   rf"\[{R.V}, {R.D}\] \(every rank's hidden must be \[\*S, {R.D}\]\)"),
+    "float-targets": (r"ValueError", r"rank 1 refused its arguments"),
+}
+OWN_ERROR = ("TypeError", r"targets must be integer item ids")  # rank 1's own, for float targets
+
+
+@pytest.mark.parametrize("layout", ["bad-batches", "bad-batches-hsdp"])
+@pytest.mark.parametrize("name", R.BAD_BATCHES)
+def test_a_bad_batch_on_one_rank_stops_every_rank(ranks, name, layout):
+    world, results = ranks
+    if layout not in results[0]:
+        pytest.skip(f"{layout} needs 4 ranks")
+    for rank, result in enumerate(results):
+        got = result[layout][name]
+        kind, pattern = OWN_ERROR if (name, rank) == ("float-targets", 1) else BAD_BATCH_ERRORS[name]
+        assert got["error"] is not None and got["error"][0] == kind, f"P{world} rank{rank} {name}: {got}"
+        assert re.search(pattern, got["error"][1]), f"P{world} rank{rank} {name}: {got['error'][1]}"
+        assert got["seconds"] < 30, f"P{world} rank{rank} {name}: {got['seconds']:.1f} s"
+        assert result[layout]["good"]["error"] is None, f"P{world} rank{rank}: {result[layout]['good']}"
+    if name != "float-targets":  # the same message on every rank
+        assert len({result[layout][name]["error"] for result in results}) == 1

@@ -28,8 +28,9 @@ same (Megatron's rule): the table's gradient is that loss's.
 
 Collectives (P ranks in the table's shard group, n_max the most positions a rank has):
 
-    local x sharded     forward: all_gather of [n, L] sizes (P x 2 ints), hidden (P n_max D) and
-                        targets (P n_max L); reduce_scatter of rows and counts (P n_max x 5).
+    local x sharded     forward: all_gather of each rank's sizes and checks (P x 6 ints, one per
+                        mesh dimension), hidden (P n_max D) and targets (P n_max L);
+                        reduce_scatter of rows and counts (P n_max x 5).
                         backward: all_gather of the rows' gradient (P n_max), reduce_scatter of
                         d_hidden (P n_max D, in float32); HSDP: all_reduce of the table's
                         gradient shard over the replicas (V / P x D, what FSDP2's HSDP does too)
@@ -37,16 +38,26 @@ Collectives (P ranks in the table's shard group, n_max the most positions a rank
     replicated x sharded
                         forward: all_reduce of rows and counts (n x 5); backward: all_reduce of
                         d_hidden (n D)
+
+Every rank takes part in every collective, whatever it holds: a rank without rows (V < P, or the
+last ranks of an uneven split) scores nothing, but its rows still depend on hidden and on its empty
+table shard, so its backward runs the same collectives and its table (and bias) get gradients of
+local shape `(0, D)` (`(0,)`) with the table's placements, ready for the next collective over
+gradients (`clip_grad_norm_`, an optimizer). Where positions are gathered (local x sharded), a bad
+batch on one rank would leave the others waiting in the all_gather: each rank's argument checks and
+sizes are gathered first (`check_arguments_on_every_rank`), and every rank raises.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from torch_cutbce import arguments
 from torch_cutbce.arguments import check_ids_below_vocab
 from torch_cutbce.positives import accumulation_dtype
 from torch_cutbce.vocab_parallel import CopyToRanks, sum_rows_over_ranks
@@ -92,6 +103,8 @@ class Layout:
       shard_dim: the mesh dimension the table is sharded over (None unless 'sharded').
       start, stop: this rank's global item ids `[start, stop)`.
       num_items: the global V.
+      batch_max: (n_max, L_max), the most positions and target slots a rank has, where positions are
+        gathered (set by `check_arguments_on_every_rank`); None elsewhere.
     """
 
     positions: str
@@ -101,6 +114,12 @@ class Layout:
     start: int
     stop: int
     num_items: int
+    batch_max: tuple[int, int] | None = None
+
+    @property
+    def gathers_positions(self) -> bool:
+        """Whether the forward all-gathers the ranks' positions (local positions, a sharded table)."""
+        return self.positions == "local" and self.table == "sharded"
 
     @property
     def shard_group(self):
@@ -200,6 +219,82 @@ def layout_of(hidden, item_weight, targets, bias, weight, class_weight, pos_weig
                                     mesh)
     start, stop = _table_slice(item_weight, shard_dim)
     return Layout(positions, table, mesh, shard_dim, start, stop, item_weight.shape[0])
+
+
+# What each rank tells the others before positions are gathered: one int64 row per rank.
+_RANK, _REFUSED, _POSITIONS, _SLOTS, _HIDDEN_SIZE, _LARGEST_ID = range(6)
+
+
+def check_arguments_on_every_rank(layout: Layout | None, hidden, item_weight, targets, bias, weight, class_weight,
+                                  pos_weight, *, reduction, block_v):
+    """`arguments.check` on this rank's arguments, a verdict every rank shares where positions are
+    gathered: `(its ProblemSize, the layout with batch_max set)`.
+
+    Elsewhere this is `arguments.check`. Where positions are gathered (`Layout.gathers_positions`)
+    a rank that raised alone would leave the others waiting in the forward's all_gather, so each
+    rank runs the checks, then one all_gather per mesh dimension tells every rank each rank's
+    verdict, sizes and largest id, and if any rank's batch is bad every rank raises: the same
+    ValueError, naming the rank, for a hidden size other than item_weight's D and for an id >= V
+    (read on CPU and CUDA, where `check_ids_below_vocab` reads them too; elsewhere ignored like
+    padding); the refusing rank's own error, and on the others one naming that rank, for anything
+    else. The gathered ints are read on the host, as the largest sizes always were (the collectives'
+    shapes depend on them). On `meta` tensors (shape tracing) there are no values to read: every
+    rank is taken to have this rank's sizes.
+    """
+    def check():
+        return arguments.check(hidden, item_weight, targets, bias, weight, class_weight, pos_weight,
+                               reduction=reduction, block_v=block_v)
+
+    if layout is None or not layout.gathers_positions:
+        return check(), layout
+    try:
+        size, refused = check(), None
+    except (TypeError, ValueError) as error:
+        size, refused = None, error
+    hidden, targets, device = _local(hidden), _local(targets), item_weight.device
+    row = _rank_row(refused, hidden, targets)
+    if device.type == "meta":
+        if refused is not None:
+            raise refused
+        return size, dataclasses.replace(layout, batch_max=(row[_POSITIONS], row[_SLOTS]))
+    facts = torch.tensor([row], dtype=torch.int64, device=device)
+    if refused is None and targets.numel() > 0 and device.type in ("cpu", "cuda"):
+        # On the device: read with the gathered rows, no sync of its own.
+        facts[0, _LARGEST_ID] = targets.max().to(device=device, dtype=torch.int64)
+    for dim in range(layout.mesh.ndim):  # every rank of the mesh, HSDP's replicas too
+        facts = _gather_no_grad(facts, layout.mesh.get_group(dim))
+    gathered = facts.tolist()
+    _raise_for_any_rank(gathered, refused, tuple(item_weight.shape))
+    batch_max = (max(f[_POSITIONS] for f in gathered), max(f[_SLOTS] for f in gathered))
+    return size, dataclasses.replace(layout, batch_max=batch_max)
+
+
+def _rank_row(refused, hidden, targets) -> list[int]:
+    """This rank's row of `check_arguments_on_every_rank` (the `_RANK`... columns), the largest id
+    left -1; sizes read from whatever was passed (refused arguments too)."""
+    shape = lambda x: tuple(x.shape) if isinstance(x, torch.Tensor) else ()  # noqa: E731
+    hidden_shape, targets_shape = shape(hidden), shape(targets)
+    return [dist.get_rank(), int(refused is not None), math.prod(hidden_shape[:-1]),
+            targets_shape[-1] if targets_shape else 0, hidden_shape[-1] if hidden_shape else -1, -1]
+
+
+def _raise_for_any_rank(gathered: list, refused, table_shape: tuple[int, ...]) -> None:
+    """Raise on every rank if any rank's row says its batch is bad (`check_arguments_on_every_rank`)."""
+    num_items, hidden_size = table_shape[0], table_shape[-1]  # a table not [V, D] is every rank's refusal
+    stop = "every rank stops here: the ranks' positions are gathered, so none may go on alone"
+    for f in gathered:
+        if len(table_shape) == 2 and f[_HIDDEN_SIZE] >= 0 and f[_HIDDEN_SIZE] != hidden_size:
+            raise ValueError(f"hidden on rank {f[_RANK]} has hidden size D={f[_HIDDEN_SIZE]}, but item_weight is "
+                             f"{list(table_shape)} (every rank's hidden must be [*S, {hidden_size}]); {stop}") from refused
+    if refused is not None:
+        raise refused
+    for f in gathered:
+        if f[_REFUSED]:
+            raise ValueError(f"rank {f[_RANK]} refused its arguments to the loss (its own error says why); {stop}")
+    for f in gathered:
+        if f[_LARGEST_ID] >= num_items:
+            raise ValueError(f"targets on rank {f[_RANK]} holds item id {f[_LARGEST_ID]}, but item_weight has only "
+                             f"V={num_items} items (ids must be < V); {stop}")
 
 
 def _local(x):
@@ -320,16 +415,6 @@ def _gather_no_grad(x, group):
     return out
 
 
-def _largest_over_ranks(sizes: tuple[int, ...], device, group) -> tuple[int, ...]:
-    """The largest of each size over the ranks (one all_gather of a few ints, read on the host).
-    On `meta` tensors (shape tracing, torch's fake process group) there are no values to read:
-    every rank is taken to have this rank's sizes."""
-    if device.type == "meta":
-        return sizes
-    gathered = _gather_no_grad(torch.tensor([sizes], dtype=torch.int64, device=device), group)
-    return tuple(int(s) for s in gathered.max(0).values.tolist())
-
-
 def _slice_ids(targets, layout: Layout):
     """Global ids -> this rank's rows (`id - start`); ids of other ranks' rows become padding (-1)."""
     inside = (targets >= layout.start) & (targets < layout.stop)
@@ -344,8 +429,25 @@ def _slice_rows(engine, flat, route, layout: Layout):
         return engine.rows((hidden, item_weight, _slice_ids(targets, layout), bias, class_weight, pos_weight),
                            route)
     n = hidden.shape[0]
-    rows = hidden[:, :0].sum(-1).to(accumulation_dtype(hidden.dtype))
+    rows = _OnEmptyShard.apply(hidden[:, :0].sum(-1).to(accumulation_dtype(hidden.dtype)), item_weight, bias)
     return rows, rows.new_zeros((4 if route.options.compute_metrics else 0, n), dtype=torch.float32)
+
+
+class _OnEmptyShard(torch.autograd.Function):
+    """Identity on `rows`, which thereby depend on this rank's empty `item_weight` `(0, D)` and
+    `bias` `(0,)`: their gradients are zeros of those shapes (module docstring), not None.
+    class_weight and pos_weight are constants. Contiguous zeros, not the strided expand a `.sum()`
+    would give: a DTensor parameter's AccumulateGrad re-lays a gradient whose strides differ from
+    its own out as Replicate, an all_gather on this rank alone."""
+
+    @staticmethod
+    def forward(ctx, rows, item_weight, bias):
+        ctx.shapes = [None if x is None else (x.shape, x.dtype) for x in (item_weight, bias)]
+        return rows.view_as(rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, *(None if s is None else grad.new_zeros(s[0], dtype=s[1]) for s in ctx.shapes)
 
 
 def layout_rows(layout: Layout, engine, flat, route):
@@ -357,13 +459,15 @@ def layout_rows(layout: Layout, engine, flat, route):
     hidden, item_weight, targets, bias, class_weight, pos_weight = flat
     if layout.table != "sharded":  # the whole table: the engine checks the ids itself
         return engine.rows(flat, route)
-    check_ids_below_vocab(targets, layout.num_items)  # before slicing: each rank its own ids, the global V
     group = layout.shard_group
     if layout.positions == "replicated":  # the vocab-parallel conjugates: same positions everywhere
+        check_ids_below_vocab(targets, layout.num_items)  # before slicing: the global V (every rank the same ids)
         rows, counts = _slice_rows(engine, (CopyToRanks.apply(hidden, group), *flat[1:]), route, layout)
         return sum_rows_over_ranks(rows, counts, group)
+    # Local positions: every rank's ids were checked against the global V before any rank gathered
+    # (`check_arguments_on_every_rank`), which also found the largest sizes.
     n, slots = targets.shape
-    n_max, slots_max = _largest_over_ranks((n, slots), hidden.device, group)
+    n_max, slots_max = layout.batch_max
     hidden_all = _GatherPositions.apply(F.pad(hidden, (0, 0, 0, n_max - n)), group)
     targets_all = _gather_no_grad(F.pad(targets, (0, slots_max - slots, 0, n_max - n), value=-1), group)
     rows, counts = _slice_rows(engine, (hidden_all, item_weight, targets_all, bias, class_weight, pos_weight),

@@ -108,8 +108,10 @@ def cut_bce_with_logits(
     # DTensors: their placements first (the clearest message), then the rules on their global
     # shapes; each rank computes with its local parts (`torch_cutbce.distributed`).
     layout = distributed.layout_of(hidden, item_weight, targets, bias, weight, class_weight, pos_weight)
-    size = arguments.check(hidden, item_weight, targets, bias, weight, class_weight, pos_weight,
-                           reduction=reduction, block_v=block_v)
+    # Where the ranks' positions are gathered, every rank's checks decide for all (none is left waiting).
+    size, layout = distributed.check_arguments_on_every_rank(
+        layout, hidden, item_weight, targets, bias, weight, class_weight, pos_weight, reduction=reduction,
+        block_v=block_v)
     if layout is not None:
         arguments.check_no_parallel_options(mesh, vocab_parallel)
         hidden, item_weight, targets, bias, weight, class_weight, pos_weight = distributed.localize(
