@@ -5,6 +5,8 @@
   weight, for torch's C kernel, compiled and eager tiles (`TORCH_CUTBCE_TILE`) and JAX's FFI
   kernel and jnp tiles: `reduction='none'` rows and 'sum' within the float32 tolerance of float64.
   hypothesis draws the logit, V and the tile count.
+- `d_hidden` over 2**22 equal terms, in one tile (torch, JAX's blocked loop) and over 1024 tiles (the
+  Pallas kernels), against its closed form.
 - Infinite inputs, as docs/precision.md's table says: an infinite logit gives its limit (a negative at
   -inf or a positive at +inf adds 0 with gradient 0; a negative at +inf or a positive at -inf adds
   +inf), where BCEWithLogitsLoss gives NaN; an infinite position weight gives torch's infinities.
@@ -108,6 +110,54 @@ def test_jax_rows_of_2_22_equal_logits_are_exact(tile, z, block_v, monkeypatch):
         assert max(_relative(r, want) for r in np.asarray(rows)) <= TOLERANCES["float32"], (tile, z, rows, want)
         assert _relative(total, 2 * want) <= TOLERANCES["float32"], (tile, z, total, 2 * want)
     jax.clear_caches()
+
+
+# -- d_hidden over wide tiles: a sum over V in each tile's product (issue 39) -------------------------
+# Equal logits z and item rows of 1 make `dz @ items` a sum of V equal terms, with the closed form
+# d_hidden[n] = g[n] V sigmoid(z[n]). XLA:CPU's dot summed 2**22 of them to 1.3e-3 on an AVX-512 Xeon
+# (the products are now at most shapes.MAX_CONTRACTION long, carried compensated or in float64).
+HIDDEN_Z, UPSTREAM = (-2.0, 0.3), (0.75, 1.25)
+
+
+def _exact_d_hidden(num_items):
+    return np.array([[g * num_items / (1 + math.exp(-z))] for z, g in zip(HIDDEN_Z, UPSTREAM)])
+
+
+def _assert_d_hidden_exact(d_hidden, num_items, name):
+    want = _exact_d_hidden(num_items)
+    err = float(np.max(np.abs(np.asarray(d_hidden, np.float64) - want) / want))
+    assert err <= TOLERANCES["float32"], f"{name}: d_hidden {np.asarray(d_hidden).ravel()} vs {want.ravel()}: {err:.2e}"
+
+
+@pytest.mark.parametrize("block_v", [None, WIDE])
+def test_torch_d_hidden_over_2_22_equal_terms_is_exact(block_v):
+    hidden = torch.tensor([[z] for z in HIDDEN_Z], requires_grad=True)
+    rows = cut_bce_with_logits(hidden, torch.ones(1, 1).expand(WIDE, 1), torch.full((2, 1), -1),
+                               reduction="none", block_v=block_v)
+    rows.backward(torch.tensor(UPSTREAM))
+    _assert_d_hidden_exact(hidden.grad, WIDE, f"torch native block_v={block_v}")
+
+
+@pytest.mark.jax
+@pytest.mark.parametrize("impl,num_items", [("blocked", WIDE), ("pallas", 2**19)])
+@pytest.mark.parametrize("jit", [False, True])
+def test_jax_d_hidden_over_2_22_equal_terms_is_exact(impl, num_items, jit):
+    """The blocked loop in one tile of 2**22 (the default at N = 2); the Pallas kernels (interpreted:
+    2**22 takes minutes) over 4096 tiles of 128, which 2**22 takes in tiles of 1024: their rows and
+    d_hidden, resident across the item tiles, drifted by 4e-5 and 3e-5 summed in order."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_kernels import cut_bce
+    from jax_kernels.pallas.block_sizes import BlockSizes
+
+    options = {"block_sizes": BlockSizes(block_n=128, block_v=128)} if impl == "pallas" else {}
+    items, targets = jnp.ones((1, 1), jnp.float32).repeat(num_items, 0), jnp.full((2, 1), -1, jnp.int32)
+    rows_fn = lambda h: cut_bce(h, items, targets, reduction="none", impl=impl, **options)
+    rows, vjp = jax.vjp(jax.jit(rows_fn) if jit else rows_fn, jnp.asarray([[z] for z in HIDDEN_Z], jnp.float32))
+    _assert_d_hidden_exact(vjp(jnp.asarray(UPSTREAM, jnp.float32))[0], num_items, f"jax {impl} jit={jit}")
+    want = [_exact_row(z, num_items, 1.0) for z in HIDDEN_Z]
+    assert max(_relative(r, w) for r, w in zip(np.asarray(rows), want)) <= TOLERANCES["float32"], (impl, rows, want)
 
 
 # -- infinities ---------------------------------------------------------------------------------------

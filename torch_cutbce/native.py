@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from cutbce_common.shapes import tile_width
+from cutbce_common.shapes import MAX_CONTRACTION, tile_width
 from torch_cutbce import fused_tile, positives
 from torch_cutbce.reduction import weighted_count_sums  # the counts tail, shared with the entries
 
@@ -80,9 +80,13 @@ class _Tiles:
 
 
 def _add_tile_grads(dz, items, h, start, stop, d_hidden, d_items, d_bias):
-    """`d_hidden += dz @ items`, `d_items[tile] = dz.T @ h`, `d_bias[tile] = dz.sum(0)`."""
+    """`d_hidden += dz @ items`, `d_items[tile] = dz.T @ h`, `d_bias[tile] = dz.sum(0)`.
+
+    `d_hidden` sums in float64 across tiles (as `_row_sums`), and each product over at most
+    `MAX_CONTRACTION` of the tile's columns (shapes.py says why: tiles are millions wide at small N)."""
     if d_hidden is not None:
-        d_hidden.addmm_(dz, items)
+        for first in range(0, dz.shape[1], MAX_CONTRACTION):
+            d_hidden += dz[:, first:first + MAX_CONTRACTION] @ items[first:first + MAX_CONTRACTION]
     if d_items is not None:
         torch.mm(dz.T, h, out=d_items[start:stop])
     if d_bias is not None:
@@ -102,9 +106,11 @@ def _metric_counts(fp, logits, ids, num_items):
 
 
 def _grad_buffers(h, item_weight, bias, need_h, need_items, need_bias):
-    """Accumulators `(d_hidden, d_items, d_bias)` in the accumulation dtype, None where not needed."""
+    """Accumulators `(d_hidden, d_items, d_bias)`, None where not needed: `d_hidden` in float64
+    (`_add_tile_grads`; `_in_acc` returns it in the accumulation dtype), the others in the
+    accumulation dtype."""
     return (
-        torch.zeros_like(h) if need_h else None,
+        torch.zeros(h.shape, dtype=torch.float64, device=h.device) if need_h else None,
         torch.empty(item_weight.shape, dtype=h.dtype, device=h.device) if need_items else None,
         torch.empty(item_weight.shape[0], dtype=h.dtype, device=h.device) if need_bias else None,
     )
@@ -160,7 +166,11 @@ def rows_backward(hidden, item_weight, ids, bias, class_weight, pos_weight, logi
             _add_tile_grads(dz, items, h, start, stop, d_hidden, d_items, d_bias)
         dz_positives = positives.positive_terms(logits, ids, class_weight, pos_weight, g, loss)[1]
         positives.add_positive_grads(dz_positives, ids, h, item_weight, d_hidden, d_items, d_bias)
-    return d_hidden, d_items, d_bias
+    return _in_acc(d_hidden, h), d_items, d_bias
+
+
+def _in_acc(d_hidden, h):
+    return None if d_hidden is None else d_hidden.to(h.dtype)
 
 
 def loss_and_grads(hidden, item_weight, targets, bias, class_weight, pos_weight, weight, divisor, need, options):
@@ -212,4 +222,4 @@ def loss_and_grads(hidden, item_weight, targets, bias, class_weight, pos_weight,
         counts = weighted_count_sums(_metric_counts(false_positives, logits, ids, num_items), weight)
     else:
         counts = torch.zeros((0,), dtype=torch.float32, device=h.device)
-    return loss, counts, rows.to(acc), d_hidden, d_items, d_bias
+    return loss, counts, rows.to(acc), _in_acc(d_hidden, h), d_items, d_bias

@@ -32,7 +32,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from cutbce_common.shapes import MAX_CONTRACTION
 from jax_kernels.blocked import negative_tile
+from jax_kernels.compensated import pairwise_sum, two_sum
 from jax_kernels.branch_math import branch_terms
 from jax_kernels.positives import accumulation_dtype
 
@@ -110,7 +112,8 @@ class _Positives:
 
     def add_grads(self, grads, t: _Table, g):
         """Adds the positives' `dz = g cw pw slope` to the `_zero_grads` accumulators."""
-        d_hidden, d_items, d_bias = grads
+        (d_hidden, d_hidden_error), d_items, d_bias = grads
+        d_hidden = d_hidden + d_hidden_error
         dz = jnp.where(self.valid, g[:, None] * self.weight * self.slope, 0)
         # Padded slots are masked after the product: their gathered row (item 0) may hold an inf.
         d_hidden = d_hidden + jnp.where(self.valid[..., None], dz[..., None] * self.items, 0).sum(1)
@@ -121,15 +124,10 @@ class _Positives:
 
 
 def _two_sum(total, compensation, x):
-    """`total + x` with its rounding error kept in `compensation` (Knuth's TwoSum, no branch): rows
-    summed over thousands of tiles stay as exact as one tile's sum without a float64 carry (JAX
-    runs with x64 off). XLA does not reassociate floats, so the error terms survive compilation."""
-    new_total = total + x
-    back = new_total - total
-    error = (total - (new_total - back)) + (x - back)
-    # An infinite total has no rounding error to keep: TwoSum's inf - inf would make it NaN, where
-    # docs/precision.md's infinities table says +inf (a +inf logit at a negative).
-    return new_total, compensation + jnp.where(jnp.isfinite(new_total), error, 0)
+    """`total + x`, its rounding error added to `compensation` (`compensated.two_sum`): rows and
+    `d_hidden` summed over thousands of tiles stay as exact as one tile's sum."""
+    total, error = two_sum(total, x)
+    return total, compensation + error
 
 
 def _counts(negatives_above_zero, p: _Positives):
@@ -204,22 +202,39 @@ def blocked_backward(hidden, item_weight, ids, bias, class_weight, pos_weight, g
 
 
 def _zero_grads(hidden, item_weight, bias, acc):
-    """The accumulators `(d_hidden [N, D], d_item_weight [V, D], d_bias [V] or None)`."""
+    """The accumulators `((d_hidden [N, D], its rounding error), d_item_weight [V, D], d_bias [V] or None)`."""
     return (
-        jnp.zeros(hidden.shape, acc),
+        (jnp.zeros(hidden.shape, acc), jnp.zeros(hidden.shape, acc)),
         jnp.zeros(item_weight.shape, acc),
         None if bias is None else jnp.zeros(bias.shape, acc),
     )
 
 
 def _add_tile_grads(grads, dz, h, items, start):
-    """Adds tile j's share, from `dz [N, block_v]`, to the `_zero_grads` accumulators."""
-    d_hidden, d_items, d_bias = grads
-    d_hidden = d_hidden + dz @ items
+    """Adds tile j's share, from `dz [N, block_v]`, to the `_zero_grads` accumulators; `d_hidden`
+    is carried compensated across tiles (`_two_sum`), as the rows are."""
+    (d_hidden, d_hidden_error), d_items, d_bias = grads
+    d_hidden, d_hidden_error = _two_sum(d_hidden, d_hidden_error, _hidden_grad_tile(dz, items))
     d_items = _add_rows(d_items, _table_grad_tile(h, dz), start)
     if d_bias is not None:
         d_bias = _add_rows(d_bias, dz.sum(0), start)
-    return d_hidden, d_items, d_bias
+    return (d_hidden, d_hidden_error), d_items, d_bias
+
+
+def _hidden_grad_tile(dz, items):
+    """`dz @ items` `[N, D]`, no dot summing more than `MAX_CONTRACTION` terms (shapes.py says why):
+    the tile's columns in chunks, one batched dot, the chunks' products added pairwise
+    (`compensated.pairwise_sum`). The partial products take `D / MAX_CONTRACTION` of the tile's size."""
+    n, width = dz.shape
+    if width <= MAX_CONTRACTION:
+        return dz @ items
+    chunks, rest = divmod(width, MAX_CONTRACTION)
+    head = chunks * MAX_CONTRACTION
+    parts = jnp.einsum("nck,ckd->cnd", dz[:, :head].reshape(n, chunks, MAX_CONTRACTION),
+                       items[:head].reshape(chunks, MAX_CONTRACTION, -1))
+    if rest:
+        parts = jnp.concatenate([parts, (dz[:, head:] @ items[head:])[None]])
+    return pairwise_sum(parts)
 
 
 def _table_grad_tile(h, dz):

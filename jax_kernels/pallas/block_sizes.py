@@ -123,6 +123,8 @@ def vmem_estimate_bytes(block_n: int, block_v: int, d: int, dtype, *, num_target
     - outputs, the larger of: d_item_weight `[block_v, d]` (f32, or a bf16 block plus an f32
       scratch: the same bytes) with d_bias `[1, block_v]`; or d_hidden `[block_n, d]` f32 with the
       three `[block_n, 128]` f32 row and count partials the one-pass kernel writes beside it.
+    - scratch: the rounding errors of d_hidden `[block_n, d]` and of the loss partials
+      `[block_n, 128]`, f32 (the compensated sums across item tiles).
     - temporaries: five 4-byte `[block_n, block_v]` tiles (the logits scratch walked in 8-row
       strips, the logits before they are stored, dz read back, its transpose, one for Mosaic's
       copies), one input-dtype copy of the tile, the masked item_weight tile and the
@@ -149,7 +151,8 @@ def vmem_estimate_bytes(block_n: int, block_v: int, d: int, dtype, *, num_target
     inputs = 2 * blocks
     outputs = 2 * max(block_v * dp * 4 + row_vec, block_n * dp * 4 + 3 * block_n * LANES * 4)
     temps = 5 * block_n * block_v * 4 + block_n * block_v * b + block_v * dp * (b + 4)
-    return inputs + outputs + temps
+    errors = block_n * (dp + LANES) * 4
+    return inputs + outputs + temps + errors
 
 
 def _balanced(total: int, cap: int, align: int) -> int:

@@ -95,6 +95,7 @@ def forward_call(*operands, interpret, compute_counts, **static):
     return _pallas(
         kernel,
         bs=bs,
+        scratch_shapes=[pltpu.VMEM((bs.block_n, LANES), jnp.float32)],  # the rows' rounding errors
         cost=_cost(static, operands[0].dtype.itemsize, matmuls=1,
                    transcendentals=2 + _loss_transcendentals(static),
                    table_passes=grid[0], token_passes=1, written=n_out * n_pad * LANES * 4),
@@ -124,9 +125,12 @@ def d_hidden_call(*operands, interpret, with_rows=False, compute_counts=False, *
     if with_rows:
         out_specs = [out_specs, *[pl.BlockSpec((bs.block_n, LANES), lambda i, j: (i, 0))] * n_rows]
         out_shape = [out_shape, *[jax.ShapeDtypeStruct((n_pad, LANES), jnp.float32)] * n_rows]
+    # The rounding errors of d_hidden and (with_rows) of the rows.
+    errors = [pltpu.VMEM((bs.block_n, d), jnp.float32)] + [pltpu.VMEM((bs.block_n, LANES), jnp.float32)] * with_rows
     return _pallas(
         kernel,
         bs=bs,
+        scratch_shapes=errors,
         # With the rows: softplus's log1p on top of the exp that sigmoid and softplus share (a
         # non-plain loss needs the log1p for its gradient too, and its own).
         cost=_cost(static, operands[0].dtype.itemsize, matmuls=2,
