@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 # The gammas every engine computes exactly. Above MAX_GAMMA: gamma's integer part k is unrolled into
 # every compiled tile and Pallas kernel (a kernel per k, its compile growing with k) and each of its
@@ -48,8 +49,8 @@ class Focal:
         `object.__setattr__`)."""
         for name in ("gamma", "alpha"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise TypeError(f"focal {name} must be a finite float, got {value!r}")
+            if not is_real(value) or not math.isfinite(value):
+                raise TypeError(f"focal {name} must be a finite real number, got {value!r}")
         if self.gamma < 0:
             raise ValueError(f"focal gamma must be >= 0, got {self.gamma}")
         if self.gamma > MAX_GAMMA:
@@ -73,6 +74,12 @@ class Focal:
     def negative_scale(self) -> float:
         """What every negative's term is multiplied by (1 - alpha with balancing, else 1)."""
         return 1.0 - self.alpha if self.apply_class_balancing else 1.0
+
+
+def is_real(value) -> bool:
+    """A number as the options take it: Python's int and float and numpy's scalars (`numbers.Real`;
+    numpy's bool is none), never a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def check_focal(focal) -> Focal | None:

@@ -31,10 +31,14 @@ import dataclasses
 import math
 from typing import NamedTuple
 
-from cutbce_common.focal import Focal, check_focal
+from cutbce_common.focal import Focal, check_focal, is_real
 
-# Below this a smoothing's half is not a normal float32 number: it would flush to 0 in a tile.
-MIN_LABEL_SMOOTHING = 2.0 ** -125
+# The smallest smoothing taken besides 0. With class balancing at alpha 0 or 1 a branch's scale is
+# the smoothing's half c, which multiplies every term of that branch: at 2**-100, c times any factor
+# down to 2**-24 (float32's rounding unit) is still a normal float32 number, so no term that counts
+# beside an O(1) term is flushed (XLA:CPU flushes subnormals; at 3e-38 whole rows came out 3e-3 to
+# 100% off float64). What flushes below that is the underflow every loss has far from its branch.
+MIN_LABEL_SMOOTHING = 2.0 ** -100
 
 
 class Form(NamedTuple):
@@ -122,16 +126,18 @@ def _check_fields(kind, arguments: dict) -> None:
 
 
 def check_label_smoothing(value) -> float:
-    """`label_smoothing` as a float in [0, 1]; a ValueError / TypeError naming it otherwise."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise TypeError(f"label_smoothing must be a finite float in [0, 1], got {value!r}")
+    """`label_smoothing` as a float in [0, 1]: any real number (Python's or numpy's scalars) but a
+    bool; a ValueError / TypeError naming it otherwise."""
+    if not is_real(value) or not math.isfinite(value):
+        raise TypeError(f"label_smoothing must be a finite real number in [0, 1], got {value!r}")
     if not 0 <= value <= 1:
         raise ValueError(f"label_smoothing must be in [0, 1] (Keras' semantics: targets y (1 - eps) + eps / 2), "
                          f"got {value!r}")
     if 0 < value < MIN_LABEL_SMOOTHING:
-        raise ValueError(f"label_smoothing must be 0 or at least {MIN_LABEL_SMOOTHING!r} (its half must be a "
-                         f"normal float32 number), got {value!r}")
+        raise ValueError(f"label_smoothing must be 0 or at least 2**-100 = {MIN_LABEL_SMOOTHING!r} (smaller, "
+                         f"float32 flushes the smoothed terms to 0), got {value!r}")
     return float(value)
+
 
 
 PLAIN = Loss()  # plain BCE: the default of every call

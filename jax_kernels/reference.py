@@ -144,11 +144,15 @@ def _smoothed_focal_elements(z, y, pw, focal, label_smoothing):
     """`(pw if y else 1) a q^gamma B` of the module docstring, Keras' definition in logit space:
     softplus never overflows, and `q^gamma = exp(gamma logaddexp(log t + log sigmoid(-z),
     log(1 - t) + log sigmoid(z)))` is never a power of a rounded probability (no 0^gamma)."""
-    t = y * (1 - label_smoothing) + label_smoothing / 2
-    elements = t * jax.nn.softplus(-z) + (1 - t) * jax.nn.softplus(z)
+    # t and 1 - t each from its own branch (eps / 2 or 1 - eps / 2): 1 - t formed from t rounds
+    # eps / 2 < 2**-53 away at a positive, the smoothed term of every confident positive with it.
+    half = label_smoothing / 2
+    high, low = jnp.full_like(z, 1 - half), jnp.full_like(z, half)
+    t, rest = jnp.where(y > 0, high, low), jnp.where(y > 0, low, high)
+    elements = t * jax.nn.softplus(-z) + rest * jax.nn.softplus(z)
     if focal is not None:
-        log_q = jnp.logaddexp(jnp.log(t) + jax.nn.log_sigmoid(-z), jnp.log1p(-t) + jax.nn.log_sigmoid(z))
+        log_q = jnp.logaddexp(jnp.log(t) + jax.nn.log_sigmoid(-z), jnp.log(rest) + jax.nn.log_sigmoid(z))
         elements = elements * jnp.exp(focal.gamma * log_q)
         if focal.apply_class_balancing:
-            elements = elements * (t * focal.alpha + (1 - t) * (1 - focal.alpha))
+            elements = elements * (t * focal.alpha + rest * (1 - focal.alpha))
     return elements * jnp.where(y > 0, pw, 1.0)

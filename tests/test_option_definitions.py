@@ -40,13 +40,25 @@ ORACLES = [pytest.param(engine, marks=marks(engine), id=engine.split("-")[0]) fo
     (dict(gamma=1e-46), ValueError, "focal gamma must be 0 or at least"),
     (dict(gamma=1e-44), ValueError, "focal gamma must be 0 or at least"),
     (dict(alpha=1.5), ValueError, r"focal alpha must be in \[0, 1\]"),
-    (dict(gamma=float("nan")), TypeError, "focal gamma must be a finite float"),
-    (dict(gamma="2"), TypeError, "focal gamma must be a finite float"),
+    (dict(gamma=float("nan")), TypeError, "focal gamma must be a finite real number"),
+    (dict(gamma="2"), TypeError, "focal gamma must be a finite real number"),
     (dict(apply_class_balancing=1), TypeError, "focal apply_class_balancing must be a bool"),
+    (dict(gamma=np.bool_(True)), TypeError, "focal gamma must be a finite real number"),
 ])
 def test_bad_focal_fields_are_clear_errors(kwargs, error, match):
     with pytest.raises(error, match=match):
         Focal(**kwargs)
+
+
+@pytest.mark.parametrize("scalar", [np.float32, np.float64, np.int64])
+def test_numeric_options_take_numpy_scalars_as_python_numbers(scalar):
+    """Issue 39: np.float32(0.1) was refused as 'must be a finite float ... got np.float32(0.1)' where
+    np.float64 and int were taken; each is now the Python float of its value."""
+    value = scalar(0) if scalar is np.int64 else scalar(0.25)
+    assert Loss(label_smoothing=value).label_smoothing == float(value)
+    focal = Focal(scalar(2), value, True)
+    assert (focal.gamma, focal.alpha) == (2.0, float(value))
+    assert type(focal.gamma) is float and type(Loss(label_smoothing=value).label_smoothing) is float
 
 
 @pytest.mark.parametrize("package", [pytest.param("torch_cutbce", marks=NEEDS_TORCH),

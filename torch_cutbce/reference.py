@@ -100,17 +100,22 @@ def _smoothed_focal_elementwise(logits, multi_hot, pos_weight, focal, label_smoo
     times `(1 - p_t)^gamma` with `1 - p_t = t sigmoid(-z) + (1 - t) sigmoid(z)` (from logsigmoid:
     no power of a rounded probability), times `t alpha + (1 - t)(1 - alpha)` with class balancing,
     times pos_weight at a positive."""
-    target = multi_hot * (1 - label_smoothing) + label_smoothing / 2
+    # t and 1 - t each from its own branch (eps / 2 or 1 - eps / 2): 1 - t formed from t rounds
+    # eps / 2 < 2**-53 away at a positive, the smoothed term of every confident positive with it.
+    positive = multi_hot > 0
+    half = label_smoothing / 2
+    high, low = torch.full_like(logits, 1 - half), torch.full_like(logits, half)
+    target, rest = torch.where(positive, high, low), torch.where(positive, low, high)
     zero = torch.zeros_like(logits)
     # BCE of the soft target from logaddexp: torch's own BCE forms log(1 + e) without log1p, so a
     # term of 1e-21 at z = -31 is 3% off even in float64 (it is the plain oracle only where exact).
-    terms = target * torch.logaddexp(-logits, zero) + (1 - target) * torch.logaddexp(logits, zero)
+    terms = target * torch.logaddexp(-logits, zero) + rest * torch.logaddexp(logits, zero)
     if focal is not None:
         one_minus_p = torch.logaddexp(torch.log(target) + F.logsigmoid(-logits),
-                                      torch.log1p(-target) + F.logsigmoid(logits))
+                                      torch.log(rest) + F.logsigmoid(logits))
         terms = terms * torch.exp(focal.gamma * one_minus_p)
         if focal.apply_class_balancing:
-            terms = terms * (target * focal.alpha + (1 - target) * (1 - focal.alpha))
+            terms = terms * (target * focal.alpha + rest * (1 - focal.alpha))
     if pos_weight is not None:
         terms = terms * torch.where(multi_hot > 0, pos_weight, 1.0)
     return terms
