@@ -29,10 +29,16 @@ CONFIDENT = Spec(dtype="float32", lead_shape=(2, 3), num_items=300, hidden_size=
 # sum, in one tile (default block_v); the native and jitted blocked JAX runs start with it.
 WIDE = Spec(dtype="float32", lead_shape=(2,), num_items=2**22, hidden_size=1, num_slots=1, reduction="none",
             layouts=(("item_weight", "expanded"),), hidden_scale=2.0, seed=3)
+# WIDE_RANDOM: an ordinary random table at V = 2**22, N 3, D 2, one tile: each d_hidden entry one
+# float32 product over millions of items, 3.7e-4 off on an AVX-512 Xeon where dense had 5e-7
+# (issue 39); every engine but the interpreted Pallas kernels starts with it (their 4096-tile
+# case: test_neutral_cpu_tile_row_sums.py).
+WIDE_RANDOM = Spec(dtype="float32", lead_shape=(3,), num_items=2**22, hidden_size=2, num_slots=2, reduction="none",
+                   hidden_scale=2.0, seed=7)
 # REFUSED: what every engine must refuse (ValueError naming block_v) before any compute.
 REFUSED = dataclasses.replace(CONFIDENT, block_v=0)
 # By name, for the runs' `examples`; 'confident-float64' is a dtype the Pallas kernels refuse.
-EXAMPLES = {"confident": CONFIDENT, "wide": WIDE, "refused": REFUSED,
+EXAMPLES = {"confident": CONFIDENT, "wide": WIDE, "wide-random": WIDE_RANDOM, "refused": REFUSED,
             "confident-float64": dataclasses.replace(CONFIDENT, dtype="float64")}
 # Property C's explicit ids beside V itself: the id dtype's extremes (int64's 2**32 and -2**40 wrap
 # to 0 in int32).

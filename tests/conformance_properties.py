@@ -53,7 +53,7 @@ from conformance_engines import ENGINES
 # The float dtypes each framework's engines take (a run's `dtypes` narrows them).
 FRAMEWORK_DTYPES = {"torch": TORCH_DTYPES, "jax": JAX_DTYPES, "xla": ("float32", "bfloat16", "float64")}
 # A's and C's explicit examples where a run names none (`_properties_strategies.EXAMPLES`).
-DEFAULT_EXAMPLES = {"exact_as_dense": ("confident", "wide", "refused"), "refuses_bad_input": (),
+DEFAULT_EXAMPLES = {"exact_as_dense": ("confident", "wide", "wide-random", "refused"), "refuses_bad_input": (),
                     "ignores_bad_ids": ("confident",)}
 
 

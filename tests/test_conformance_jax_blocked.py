@@ -17,7 +17,7 @@ class TestBlocked(EngineConformance):
                               "test_jax_traced_int64_ids_compare_in_int64",
                               "test_jax_ids_at_or_above_V_under_jit_are_padding")
     property_runs = (PropertyRun("exact_as_dense", 60, jit=True),
-                     PropertyRun("exact_as_dense", 12, shrink=False, jit=False, examples=("confident", "refused")),
+                     PropertyRun("exact_as_dense", 12, shrink=False, jit=False, examples=("confident", "wide-random", "refused")),
                      PropertyRun("refuses_bad_input", 6, shrink=False),  # and 6 on TestPallas
                      PropertyRun("ignores_bad_ids", 10, shrink=False, max_n=24, max_v=600))
     option_entries = ("entry", "mesh")

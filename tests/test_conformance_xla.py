@@ -18,7 +18,7 @@ class TestXlaBlocked(CheckFamilies, OracleChecks, PropertyChecks, OptionChecks):
     row_losses = ("plain",)
     row_sums = False
     property_runs = (PropertyRun("exact_as_dense", 10, shrink=False, max_n=24, max_v=600,
-                                 examples=("confident", "refused")),
+                                 examples=("confident", "wide-random", "refused")),
                      PropertyRun("refuses_bad_input", 8, shrink=False, dtypes=("float32", "float64")),
                      PropertyRun("ignores_bad_ids", 8, shrink=False, max_n=24, max_v=600))
     # float32 only (float64 through the bridge needs JAX's x64), one case each and no gradients (the
