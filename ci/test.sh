@@ -6,6 +6,7 @@
 #                     torch_xla): it must pass or skip every test;
 #   ci/jax_newest.sh  the JAX suite on the newest JAX of the [jax] range, Python 3.12 (.venv-jax);
 #   ci/torch_tpu.sh   the TorchTPU bridge's checks: torch 2.13, torch_tpu, jax 0.10.2, libtpu (.venv-tpu).
+#   ci/replay.sh      the RePlay integration against replay-rec 0.22 (torch 2.13 CPU, lightning; .venv-replay).
 # The full run starts with the linter (ruff, configured in pyproject.toml).
 # Arguments go to pytest and run only the main suite, in one process:
 #   bash ci/test.sh tests/test_torch_native.py -k mean
@@ -24,3 +25,4 @@ fi
 time bash ci/core_only.sh
 time bash ci/jax_newest.sh
 time bash ci/torch_tpu.sh
+time bash ci/replay.sh

@@ -4,6 +4,7 @@ from cutbce_common.focal import Focal
 from torch_cutbce.functional import BACKENDS, cut_bce_with_logits
 from torch_cutbce.metrics import CutBCEMetrics
 from torch_cutbce.module import CutBCEWithLogitsLoss
+from torch_cutbce.padding_row import CatalogArguments, without_padding_row
 from torch_cutbce.reference import dense_bce_with_logits
 from torch_cutbce.targets import ids_to_multi_hot, multi_hot_to_ids
 from torch_cutbce.topk import full_catalog_topk
@@ -12,6 +13,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BACKENDS",
+    "CatalogArguments",
     "CutBCEMetrics",
     "CutBCEWithLogitsLoss",
     "Focal",
@@ -20,4 +22,5 @@ __all__ = [
     "full_catalog_topk",
     "ids_to_multi_hot",
     "multi_hot_to_ids",
+    "without_padding_row",
 ]
