@@ -83,10 +83,19 @@ def _add_tile_grads(dz, items, h, start, stop, d_hidden, d_items, d_bias):
     """`d_hidden += dz @ items`, `d_items[tile] = dz.T @ h`, `d_bias[tile] = dz.sum(0)`.
 
     `d_hidden` sums in float64 across tiles (as `_row_sums`), and each product over at most
-    `MAX_CONTRACTION` of the tile's columns (shapes.py says why: tiles are millions wide at small N)."""
+    `MAX_CONTRACTION` of the tile's columns (shapes.py says why: tiles are millions wide at small N):
+    one batched product of the whole chunks, their `[chunks, N, D]` results summed in float64."""
     if d_hidden is not None:
-        for first in range(0, dz.shape[1], MAX_CONTRACTION):
-            d_hidden += dz[:, first:first + MAX_CONTRACTION] @ items[first:first + MAX_CONTRACTION]
+        n, width = dz.shape
+        chunks, head = width // MAX_CONTRACTION, width - width % MAX_CONTRACTION
+        if chunks > 1:
+            parts = torch.bmm(dz[:, :head].reshape(n, chunks, MAX_CONTRACTION).transpose(0, 1),
+                              items[:head].reshape(chunks, MAX_CONTRACTION, -1))
+            d_hidden += parts.sum(0, dtype=torch.float64)
+        else:
+            head = 0
+        if head < width:
+            d_hidden += dz[:, head:] @ items[head:]
     if d_items is not None:
         torch.mm(dz.T, h, out=d_items[start:stop])
     if d_bias is not None:
