@@ -30,12 +30,20 @@ FLOAT32_SLACK = 1e-5
 
 def build_model(loss, *, padding_value=V, seed=0):
     """RePlay's SasRec as its docs build it (no dropout, so that runs compare), V items."""
+    from replay.nn.sequential import SasRec
+
+    body = build_body(padding_value, seed)
+    torch.manual_seed(seed)
+    return SasRec(body=body, loss=loss)
+
+
+def build_body(padding_value=V, seed=0):
     from replay.data import FeatureHint, FeatureSource, FeatureType
     from replay.data.nn import TensorFeatureInfo, TensorFeatureSource, TensorSchema
     from replay.nn.agg import SumAggregator
     from replay.nn.embedding import SequenceEmbedding
     from replay.nn.mask import DefaultAttentionMask
-    from replay.nn.sequential import PositionAwareAggregator, SasRec, SasRecBody, SasRecTransformerLayer
+    from replay.nn.sequential import PositionAwareAggregator, SasRecBody, SasRecTransformerLayer
 
     schema = TensorSchema([TensorFeatureInfo(
         "item_id", is_seq=True, feature_type=FeatureType.CATEGORICAL, embedding_dim=D,
@@ -50,8 +58,7 @@ def build_model(loss, *, padding_value=V, seed=0):
         encoder=SasRecTransformerLayer(embedding_dim=D, num_heads=HEADS, num_blocks=2, dropout=0.0,
                                        activation="relu", hidden_dim=2 * D),
         output_normalization=torch.nn.LayerNorm(D))
-    torch.manual_seed(seed)
-    return SasRec(body=body, loss=loss)
+    return body
 
 
 def _masks_in_query_dtype(module, args, kwargs):
@@ -274,3 +281,23 @@ def test_bad_input_names_the_argument():
         score_with_bias(model.body)
     with pytest.raises(ValueError, match="no item bias"):
         score_with_bias(model)
+
+
+def test_the_guides_replay_block_runs():
+    """docs/converting.md, 'From RePlay': its code block, executed on a RePlay body."""
+    import re
+    from pathlib import Path
+
+    from replay.nn.lightning import LightningModule
+    from replay.nn.lightning.optimizer import OptimizerFactory
+    from replay.nn.sequential import SasRec
+
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "converting.md").read_text()
+    section = guide.split("\n## From RePlay\n", 1)[1].split("\n## ", 1)[0]
+    block = re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]
+    space = dict(SasRec=SasRec, body=build_body(), LightningModule=LightningModule,
+                 OptimizerFactory=OptimizerFactory)
+    exec(compile(block, "converting.md, From RePlay", "exec"), space)
+    model = space["model"]
+    assert isinstance(model.loss, CutBCE) and model.get_logits == model.loss.logits
+    assert space["module"].model is model and model.loss.item_bias is not None
