@@ -15,7 +15,9 @@ def two_sum(total, x):
     error = (total - (new_total - back)) + (x - back)
     # An infinite total has no rounding error to keep: TwoSum's inf - inf would make it NaN, where
     # docs/precision.md's infinities table says +inf (a +inf logit at a negative).
-    return new_total, jnp.where(jnp.abs(new_total) < jnp.inf, error, 0)
+    # Typed constants: Python floats would be float64 under jax_enable_x64, which Mosaic lacks.
+    finite = jnp.abs(new_total) < new_total.dtype.type(jnp.inf)
+    return new_total, jnp.where(finite, error, jnp.zeros_like(error))
 
 
 def pairwise_sum(x):
