@@ -139,5 +139,4 @@ def check_label_smoothing(value) -> float:
     return float(value)
 
 
-
 PLAIN = Loss()  # plain BCE: the default of every call

@@ -20,10 +20,15 @@ def two_sum(total, x):
     return new_total, jnp.where(finite, error, jnp.zeros_like(error))
 
 
-def pairwise_sum(x):
-    """`x.sum(0)` as a pairwise sum: about log2(len(x)) roundings whatever order XLA adds in."""
-    while x.shape[0] > 1:
-        half = x.shape[0] // 2
-        folded = x[:half] + x[half:2 * half]
-        x = folded.at[-1].add(x[-1]) if x.shape[0] % 2 else folded
-    return x[0]
+def pairwise_sum(x, axis: int = 0, leaves: int = 1):
+    """`x.sum(axis)` as a pairwise sum: the first half added to the second until `leaves` are left,
+    those summed as XLA does; about log2(length / leaves) roundings more than `leaves` terms take,
+    whatever order XLA adds in. Slices along `axis` in place (no transpose of a tile)."""
+    axis = axis % x.ndim
+    along = lambda index: (slice(None),) * axis + (index,)  # noqa: E731
+    while x.shape[axis] > leaves:
+        length = x.shape[axis]
+        half = length // 2
+        folded = x[along(slice(0, half))] + x[along(slice(half, 2 * half))]
+        x = folded.at[along(-1)].add(x[along(-1)]) if length % 2 else folded
+    return x.sum(axis)

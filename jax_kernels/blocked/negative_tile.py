@@ -30,6 +30,7 @@ import numpy as np
 
 from cutbce_common import cpu_tile_build, tile_choice
 from jax_kernels.branch_math import branch_terms
+from jax_kernels.compensated import pairwise_sum
 
 @functools.cache
 def _ffi_registered() -> bool:
@@ -144,13 +145,7 @@ def _halving_row_sum(x):
     """`x.sum(-1)` as a pairwise sum: the first half of the columns added to the second until 256
     are left. XLA:CPU adds a row in a few float32 lanes, so a row of 2**21 equal terms drifts by
     1e-3; halving keeps it to about log2(width) roundings, for about one more pass over the tile."""
-    while x.shape[-1] > 256:
-        half = x.shape[-1] // 2
-        folded = x[..., :half] + x[..., half:2 * half]
-        if x.shape[-1] % 2:
-            folded = folded.at[..., -1].add(x[..., -1])
-        x = folded
-    return x.sum(-1)
+    return pairwise_sum(x, axis=-1, leaves=256)
 
 
 def _weighted_row_sum(loss, w):
