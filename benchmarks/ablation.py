@@ -52,7 +52,8 @@ def report(title, medians, unit="ms", scale=1e3, per=1.0):
 def tile_part(shape, block_v, rounds):
     import torch
 
-    from torch_cutbce import branch_math, fused_tile
+    from torch_cutbce import branch_math
+    from torch_cutbce.native import fused_tile
 
     def log1p_rows_grad(z, cw, g, out):
         e = torch.exp(-z.abs())

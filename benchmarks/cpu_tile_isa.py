@@ -46,7 +46,7 @@ def main() -> None:
 
     import providers as P
     from provenance import command, git_sha, isa_of_cpu, machine
-    from torch_cutbce import fused_tile
+    from torch_cutbce.native import fused_tile
 
     torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")

@@ -83,7 +83,7 @@ start = time.perf_counter()
 warnings.simplefilter("ignore")
 import torch
 import torch_cutbce
-from torch_cutbce import fused_tile
+from torch_cutbce.native import fused_tile
 imported = time.perf_counter()
 g = torch.Generator().manual_seed(0)
 hidden = torch.randn(64, 32, generator=g).requires_grad_()
@@ -170,7 +170,7 @@ def compiled_tile_first_call(label: str) -> None:
 
     import torch_cutbce
     from provenance import stamp
-    from torch_cutbce import fused_tile
+    from torch_cutbce.native import fused_tile
 
     hidden = torch.randn(4096, 64, requires_grad=True)
     items = torch.randn(32768, 64, requires_grad=True)

@@ -32,7 +32,8 @@ sys.path.insert(0, str(HERE.parent))  # examples/ is a folder of scripts beside 
 from examples.sasrec import RecConfig, SASRec  # noqa: E402
 from proc_memory import MIB, limit_address_space, peak_rss_bytes  # noqa: E402
 from provenance import append_rows, command, git_sha, machine  # noqa: E402
-from torch_cutbce import cut_bce_with_logits, fused_tile  # noqa: E402
+from torch_cutbce import cut_bce_with_logits  # noqa: E402
+from torch_cutbce.native import fused_tile  # noqa: E402
 
 GIB = 1 << 30
 

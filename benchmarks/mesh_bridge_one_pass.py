@@ -4,7 +4,7 @@
 
 Simulated CPU devices (CPU_NUM_DEVICES), the table split along V on 'model' and the positions
 along 'data'; interleaved rounds, medians of one step. Two passes is the route 'mean' took before
-(`xla_bridge.cut_bce_rows`, then the rows' reduction), one pass `cut_bce_with_logits(mesh=)` with
+(`jax_bridge/xla.py`'s `cut_bce_rows`, then the rows' reduction), one pass `cut_bce_with_logits(mesh=)` with
 the gradients from the forward; both must give the same loss and gradients (NOTES.md section 10).
 """
 
@@ -40,7 +40,8 @@ def main(argv=None):
     from ablation import interleave, report
     from cutbce_common.shapes import tile_width
     from cutbce_common.options import CutBCEOptions
-    from torch_cutbce import cut_bce_with_logits, xla_bridge
+    from torch_cutbce import cut_bce_with_logits
+    from torch_cutbce.jax_bridge import xla as xla_bridge
     from torch_cutbce.arguments import mesh_layout
     from torch_cutbce.reduction import reduce_rows
 

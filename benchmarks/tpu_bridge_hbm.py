@@ -78,7 +78,7 @@ def measure(n: int, v: int, d: int, slots: int, dtype_name: str, chips=tuple(TOP
     from cutbce_common.loss import Loss
     from cutbce_common.options import CutBCEOptions
     import jax_kernels.bridge as jax_bridge
-    from torch_cutbce import tpu_bridge
+    from torch_cutbce.jax_bridge import tpu as tpu_bridge
 
     dtype = jnp.dtype(dtype_name)
     options = CutBCEOptions(compute_metrics=True, loss=Loss(Focal(2.0, 0.25, True))).encode()

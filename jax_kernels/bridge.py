@@ -1,5 +1,5 @@
 """The JAX half of the torch bridges: what each bridge op computes, for torch_xla's `call_jax` and
-TorchTPU's `jax_op` (the torch half, fakes and autograd rules: `torch_cutbce/bridge_ops.py`).
+TorchTPU's `jax_op` (the torch half, fakes and autograd rules: `torch_cutbce/jax_bridge/ops.py`).
 
     rows            jax_forward       (rows [N], counts [4 or 0, N])     place.forward
     rows_backward   jax_backward      (d_hidden, d_items, d_bias)        place.backward

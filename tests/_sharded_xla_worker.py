@@ -19,7 +19,7 @@ along V and the positions along 'data':
 
 For each case the report holds relative errors (rows, counts, gradients of `sum(rows * g)` for a
 random g) and facts read from the partitioned HLO. The custom ops below are the code proposed for
-`torch_cutbce/xla_bridge.py` (namespace `cutbce_sharded_proposal` here, to avoid clashing).
+`torch_cutbce/jax_bridge/xla.py` (namespace `cutbce_sharded_proposal` here, to avoid clashing).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ jax_import_guard()
 
 import jax  # noqa: E402, F401 (imported after torch_xla, as call_jax needs)
 
-from torch_cutbce import xla_bridge  # noqa: E402
+from torch_cutbce.jax_bridge import xla as xla_bridge  # noqa: E402
 
 N, V, D, L = 45, 301, 12, 5  # 45 positions over 2 or 4 data shards and 301 items over 2 or 4: all padded
 BLOCK_V = 16
@@ -83,7 +83,7 @@ def _inputs():
 
 
 def _native(inputs):
-    from torch_cutbce import ops
+    from torch_cutbce.native import ops
 
     h, e, b = (inputs[k].clone().requires_grad_(True) for k in ("hidden", "item_weight", "bias"))
     rows, counts = ops.rows(h, e, inputs["targets"], b, inputs["class_weight"], inputs["pos_weight"], _options(True))
@@ -110,7 +110,7 @@ def _on_mesh(inputs, mesh_shape, axis_names, rows_fn):
 
 
 def _plain_rows(t, mesh):
-    from torch_cutbce import xla_bridge
+    from torch_cutbce.jax_bridge import xla as xla_bridge
 
     return xla_bridge.cut_bce_rows(
         t["hidden"], t["item_weight"], t["targets"], t["bias"], t["class_weight"], t["pos_weight"], _options(True),
@@ -181,7 +181,7 @@ def _train(device, rows_fn, mesh=None, steps=5):
 
 
 def _native_rows(hidden, item_weight, bias, targets, mesh):
-    from torch_cutbce import ops
+    from torch_cutbce.native import ops
 
     return ops.rows(hidden, item_weight, targets, bias, None, None, _options(False))
 
@@ -205,7 +205,7 @@ def _measure_training(dump_dir):
 def _measure_without_bias(inputs):
     """A bias-free call; run before and after the bias ones, its cached lowering must still unflatten."""
     from parity import relative_error
-    from torch_cutbce import ops
+    from torch_cutbce.native import ops
 
     h = inputs["hidden"].clone().requires_grad_(True)
     rows, _ = ops.rows(h, inputs["item_weight"], inputs["targets"], None, None, None, _options(False))

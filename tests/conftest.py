@@ -34,6 +34,7 @@ OPTIONAL = {"jax": ("jax", "jax"), "xla": ("torch_xla", "xla")}
 FAST_MODULES = {
     "test_reference.py", "test_branch_math.py", "test_neutral_options.py", "test_torch_native.py",
     "test_repo_hygiene.py", "test_repo_layout.py", "test_docs_links.py", "test_loss_footprint.py",
+    "test_torch_engines.py",
 }
 FAST_FAMILIES = {"BadInputChecks"}  # a family's own checks only: not the other families of its classes
 

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from cutbce_common import cpu_tile_build
 from parity import TOLERANCES, assert_close
-from torch_cutbce import fused_tile
+from torch_cutbce.native import fused_tile
 
 pytestmark = pytest.mark.skipif(fused_tile._cpu_library() is None, reason="no C compiler: the kernel is not built")
 pytestmark = [pytestmark, pytest.mark.rung1]

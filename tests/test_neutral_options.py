@@ -22,7 +22,7 @@ from cutbce_common.focal import MIN_GAMMA, Focal
 from cutbce_common.loss import MIN_LABEL_SMOOTHING, Loss
 from cutbce_common.options import CutBCEOptions, decode
 from cutbce_common.shapes import BlockSizes
-from torch_cutbce import ops
+from torch_cutbce.native import ops
 
 # Words that would mean an option leaked into an op's schema (its fields, and the focal ones).
 OPTION_WORDS = {field.name for field in dataclasses.fields(CutBCEOptions)} | {
@@ -156,13 +156,13 @@ def test_block_sizes_encode_as_an_object_and_resolved_sizes_the_tile():
 def _package_ops():
     """`{qualified name: schema}` of every custom op the package registers (the bridge's where
     torch_xla is installed)."""
-    import torch_cutbce.ops  # noqa: F401  (registers torch_cutbce::*)
+    import torch_cutbce.native.ops  # noqa: F401  (registers torch_cutbce::*)
 
     namespaces = ["torch_cutbce"]
     try:
         import torch_xla  # noqa: F401  (before jax)
 
-        import torch_cutbce.xla_bridge  # noqa: F401  (registers cutbce::*)
+        import torch_cutbce.jax_bridge.xla  # noqa: F401  (registers cutbce::*)
 
         namespaces.append("cutbce")
     except ImportError:

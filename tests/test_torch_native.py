@@ -210,7 +210,7 @@ def test_module_with_vocab_parallel_equals_the_function(one_rank_group, reductio
 def test_vocab_parallel_scalar_losses_take_one_pass(one_rank_group, monkeypatch, reduction):
     """'sum' / 'mean' with vocab_parallel compute each rank's gradients in its forward: the rows
     engine and its tile-recomputing backward never run, and the result equals one process's."""
-    from torch_cutbce import native
+    from torch_cutbce.native import loop
     from torch_cutbce.vocab_parallel import VocabParallelOptions
 
     t = _tensors(make_inputs(LEAD_SHAPE, NUM_ITEMS, HIDDEN_SIZE, NUM_SLOTS, seed=15))
@@ -229,8 +229,8 @@ def test_vocab_parallel_scalar_losses_take_one_pass(one_rank_group, monkeypatch,
     def two_passes(*args, **kwargs):
         raise AssertionError("vocab_parallel 'sum' / 'mean' ran the rows engine (two passes)")
 
-    monkeypatch.setattr(native, "rows_forward", two_passes)
-    monkeypatch.setattr(native, "rows_backward", two_passes)
+    monkeypatch.setattr(loop, "rows_forward", two_passes)
+    monkeypatch.setattr(loop, "rows_backward", two_passes)
     got = loss_and_grads(vocab_parallel=VocabParallelOptions.even(NUM_ITEMS))
     assert_close(got, expected, dtype="float64", name=f"vocab_parallel {reduction}")
 
@@ -268,7 +268,7 @@ def test_module_checks_its_parallel_options_when_built():
         CutBCEWithLogitsLoss(mesh=_Mesh(), vocab_axis="data", data_axis="data")
     with pytest.raises(TypeError, match="mesh must be a torch_xla.distributed.spmd.Mesh, got tuple"):
         CutBCEWithLogitsLoss(mesh=(2, 2))
-    with pytest.raises(ValueError, match=r"vocab_parallel= runs the native engine .* got backend='dense'"):
+    with pytest.raises(ValueError, match=r"vocab_parallel= needs an engine that takes a slice .* got backend='dense'"):
         CutBCEWithLogitsLoss(vocab_parallel=options, backend="dense")
     with pytest.raises(TypeError, match="vocab_parallel must be a VocabParallelOptions or None, got tuple"):
         CutBCEWithLogitsLoss(vocab_parallel=(0, NUM_ITEMS, NUM_ITEMS))

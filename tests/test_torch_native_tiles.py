@@ -23,7 +23,8 @@ import torch
 from cutbce_common.focal import Focal
 from cutbce_common.loss import Loss
 from parity import assert_close, make_inputs, make_upstream, run_torch, select
-from torch_cutbce import branch_math, cut_bce_with_logits, dense_bce_with_logits, fused_tile, positives
+from torch_cutbce import branch_math, cut_bce_with_logits, dense_bce_with_logits, positives
+from torch_cutbce.native import fused_tile
 
 pytestmark = pytest.mark.rung1
 

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from parity import assert_close
-from torch_cutbce import Focal, cut_bce_with_logits, dense_bce_with_logits, fused_tile, ops
+from torch_cutbce import Focal, cut_bce_with_logits, dense_bce_with_logits
+from torch_cutbce.native import fused_tile, ops
 
 pytestmark = pytest.mark.rung1
 

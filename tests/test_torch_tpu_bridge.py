@@ -1,4 +1,4 @@
-"""The TorchTPU bridge (torch_cutbce/tpu_bridge.py) checked without a TPU: meta tensors and
+"""The TorchTPU bridge (torch_cutbce/jax_bridge/tpu.py) checked without a TPU: meta tensors and
 libtpu's compile-only client.
 
 Runs only in the TorchTPU environment (ci/torch_tpu.sh: torch 2.13, torch_tpu, jax 0.10.2,
@@ -42,7 +42,7 @@ import torch_cutbce as tc  # noqa: E402
 from cutbce_common.focal import Focal  # noqa: E402
 from cutbce_common.loss import Loss  # noqa: E402
 from cutbce_common.options import CutBCEOptions  # noqa: E402
-from torch_cutbce import tpu_bridge  # noqa: E402
+from torch_cutbce.jax_bridge import tpu as tpu_bridge  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 N, V, D, L = 16, 256, 128, 3
@@ -130,9 +130,9 @@ def test_meta_loss_and_gradients(reduction, name, focal, dtype):
 
 
 def test_auto_picks_the_bridge_for_tpu_tensors_and_refuses_other_devices():
-    from torch_cutbce import arguments
+    from torch_cutbce import engines
 
-    assert arguments.resolve_backend("auto", torch.empty(1, device="meta")) == "native"
+    assert engines.resolve_backend("auto", torch.empty(1, device="meta")) == "native"
     assert "torch_tpu" in tc.BACKENDS
     with pytest.raises(ValueError, match="backend='torch_tpu' needs tensors on a TorchTPU device"):
         tc.cut_bce_with_logits(torch.zeros(2, D), torch.zeros(V, D), torch.zeros(2, 1, dtype=torch.long),

@@ -238,7 +238,7 @@ import jax, jax.numpy as jnp
 from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from benchmarks.tpu_compile import compile_for
-from torch_cutbce import tpu_bridge
+from torch_cutbce.jax_bridge import tpu as tpu_bridge
 
 spec = json.loads(sys.argv[1])
 n, d, slots = spec["n"], spec["d"], spec["slots"]

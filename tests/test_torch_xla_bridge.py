@@ -13,7 +13,7 @@ import torch_xla.debug.metrics as xla_metrics  # noqa: E402
 import jax_kernels  # noqa: E402
 import torch_cutbce as tc  # noqa: E402
 from parity import assert_close, jax_x64  # noqa: E402
-from torch_cutbce import xla_bridge  # noqa: E402
+from torch_cutbce.jax_bridge import xla as xla_bridge  # noqa: E402
 
 pytestmark = [pytest.mark.xla, pytest.mark.rung3]
 

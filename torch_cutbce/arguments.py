@@ -1,8 +1,10 @@
-"""The torch entry's argument rules: validation, the backend choice, devices, dtypes.
+"""The torch entry's argument rules apart from the engines: validation, dtypes, the ids check.
 
 Shape and dtype rules are framework-neutral and live in `cutbce_common.shapes.check_arguments`
 (shared with `jax_kernels.cut_bce`); this module describes torch tensors to it and adds what only
-torch has (devices, requires_grad, autocast).
+torch has (requires_grad, torch.func, autocast). What depends on the engines (the backend names,
+'auto', `mesh=` / `vocab_parallel=` against the backend, the devices an engine takes) is read from
+the registry, `engines.py`, which imports this module (the native ops run `check_ids_below_vocab`).
 """
 
 from __future__ import annotations
@@ -10,10 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cutbce_common.shapes import AxisName, ArraySpec, check_arguments, check_largest_id, check_mesh_axes
-from torch_cutbce.route import VocabParallelOptions
-
-BACKENDS = ("auto", "native", "dense", "xla", "xla_blocked", "xla_pallas", "torch_tpu")
+from cutbce_common.shapes import AxisName, ArraySpec, check_arguments, check_largest_id
 
 
 def spec(x: torch.Tensor | None, name: str = "argument") -> ArraySpec | None:
@@ -30,36 +29,6 @@ def check(hidden, item_weight, targets, bias, weight, class_weight, pos_weight, 
                    class_weight=class_weight, pos_weight=pos_weight)
     specs = {name: spec(t, name) for name, t in tensors.items()}
     return check_arguments(**specs, reduction=reduction, block_v=block_v)
-
-
-def check_backend(backend) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-
-
-def check_parallel_options(backend: str, mesh, vocab_parallel, vocab_axis: AxisName = None,
-                           data_axis: AxisName = None) -> None:
-    """`mesh=` needs the torch_xla bridge and a mesh whose axes `vocab_axis` / `data_axis` name,
-    `vocab_parallel=` a `VocabParallelOptions` and the native engine, and they exclude each other;
-    'auto' passes (the tensors decide). The module checks this when built, the function on the
-    resolved backend: one rule, one message."""
-    if vocab_parallel is not None:
-        if not isinstance(vocab_parallel, VocabParallelOptions):
-            raise TypeError(
-                f"vocab_parallel must be a VocabParallelOptions or None, got {type(vocab_parallel).__name__}")
-    if mesh is not None and vocab_parallel is not None:
-        raise ValueError("mesh= (torch_xla SPMD) and vocab_parallel= (torch.distributed ranks) exclude each other")
-    if mesh is not None and backend not in ("auto", "xla", "xla_blocked", "xla_pallas"):
-        raise ValueError(
-            f"mesh= runs under torch_xla SPMD and needs XLA tensors, got backend={backend!r}; "
-            f"for CPU/CUDA tensors split over processes use vocab_parallel="
-        )
-    if vocab_parallel is not None and backend not in ("auto", "native"):
-        raise ValueError(f"vocab_parallel= runs the native engine on CPU/CUDA tensors, got backend={backend!r}")
-    if mesh is not None:
-        if not hasattr(mesh, "axis_names"):
-            raise TypeError(f"mesh must be a torch_xla.distributed.spmd.Mesh, got {type(mesh).__name__}")
-        check_mesh_axes(mesh.axis_names, vocab_axis, data_axis)
 
 
 def _differentiated_by_torch_func(x) -> bool:
@@ -107,30 +76,6 @@ def mesh_layout(mesh, vocab_axis: AxisName, data_axis: AxisName) -> dict:
         raise ValueError(f"mesh.device_ids must be 0..n-1 in order, got {mesh.device_ids}")
     return dict(mesh_shape=tuple(int(s) for s in mesh.mesh_shape), mesh_axes=tuple(mesh.axis_names),
                 vocab_axis=vocab_axis, data_axis=data_axis)
-
-
-def resolve_backend(backend: str, hidden: torch.Tensor) -> str:
-    check_backend(backend)
-    if backend == "auto":
-        return {"xla": "xla", "tpu": "torch_tpu"}.get(hidden.device.type, "native")
-    return backend
-
-
-def check_devices(tensors: dict[str, torch.Tensor | None], backend: str, on_xla: bool | None) -> None:
-    """One device for every tensor, and the one the engine runs on (`engines.Engine.on_xla`:
-    True XLA tensors only, False CPU/CUDA only, None any)."""
-    device = tensors["hidden"].device
-    for name, t in tensors.items():
-        if t is not None and t.device != device:
-            raise ValueError(
-                f"{name} is on {t.device} but hidden is on {device}: all tensors must be on one device "
-                f"(move them with .to(hidden.device))"
-            )
-    is_xla = device.type == "xla"
-    if on_xla is True and not is_xla:
-        raise ValueError(f"backend={backend!r} needs tensors on an XLA device (torch_xla), got {device}")
-    if on_xla is False and is_xla:
-        raise ValueError(f"backend={backend!r} runs on CPU/CUDA tensors; XLA tensors use backend='auto' or 'xla'")
 
 
 def check_constant(name: str, t: torch.Tensor | None) -> None:

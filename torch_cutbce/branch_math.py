@@ -1,6 +1,6 @@
 """Each element's `(loss, slope)` on its own branch, in torch: the one place this math is written.
 
-Used by the tile functions (`fused_tile.py`, compiled and eager) and the positives' own terms
+Used by the tile functions (`native/fused_tile.py`, compiled and eager) and the positives' own terms
 (`positives.py`). Its sisters: `jax_kernels/branch_math.py` (the blocked loop, the positives and the
 Pallas kernels) and the C kernel `cutbce_common/cpu_tile.c` (plain BCE, float32 CPU tiles);
 `tests/test_branch_math.py` pins the three against float64. With `u` the logit seen from the

@@ -10,7 +10,7 @@ from cutbce_common.loss import Loss
 from cutbce_common.options import CutBCEOptions
 from cutbce_common.shapes import reduction_divisor
 from torch_cutbce import arguments, distributed, engines
-from torch_cutbce.arguments import BACKENDS  # noqa: F401  (re-exported by torch_cutbce)
+from torch_cutbce.engines import BACKENDS  # noqa: F401  (re-exported by torch_cutbce)
 from torch_cutbce.metrics import CutBCEMetrics
 from torch_cutbce.reduction import reduce_rows
 from torch_cutbce.route import Route, VocabParallelOptions
@@ -78,17 +78,18 @@ def cut_bce_with_logits(
       return_metrics: also return `CutBCEMetrics(tp, fp, fn, tn)` from the same logit tiles.
       block_v: vocabulary tile width, a positive int (numpy integers too, bool not; default: a
         16 MiB float32 `[N, block_v]` tile).
-      backend: 'auto' (the torch_xla bridge for XLA tensors, native otherwise), 'native' (chunked
-        PyTorch, CPU/CUDA), 'dense' (materializing reference), 'xla' (bridge; Pallas on TPU, the
-        blocked JAX loop elsewhere), 'xla_blocked', 'xla_pallas' (Pallas kernels; in interpret
-        mode when the XLA device is not a TPU).
+      backend: 'auto' (by the tensors' device type: the torch_xla bridge for XLA tensors, TorchTPU's
+        for `tpu` tensors, native otherwise; `engines.resolve_backend`), 'native' (chunked PyTorch,
+        CPU/CUDA), 'dense' (materializing reference), 'xla' (bridge; Pallas on TPU, the blocked JAX
+        loop elsewhere), 'xla_blocked', 'xla_pallas' (Pallas kernels; in interpret mode when the XLA
+        device is not a TPU), 'torch_tpu' (`torch_cutbce.BACKENDS` lists them).
 
       mesh: a `torch_xla.distributed.spmd.Mesh` (device ids 0..n-1 in order) to run sharded under
         torch_xla SPMD: each device loops over its slice of the item table (split along V on
         `vocab_axis`) and its positions (split on `data_axis`); mark the tensors with
         `xs.mark_sharding` to match.
       vocab_parallel: a `VocabParallelOptions` to split the item table over the ranks of a
-        torch.distributed group (CPU/CUDA tensors, the native backend): `item_weight`, `bias`,
+        torch.distributed group (CPU/CUDA tensors, an engine that takes it: native): `item_weight`, `bias`,
         `class_weight` and `pos_weight` are this rank's slices, `hidden`, `targets` and `weight` the
         same on every rank, and every rank gets the same loss and `d_hidden` ('mean' divides by
         N x the global V). See `torch_cutbce.vocab_parallel`.
@@ -116,14 +117,14 @@ def cut_bce_with_logits(
         arguments.check_no_parallel_options(mesh, vocab_parallel)
         hidden, item_weight, targets, bias, weight, class_weight, pos_weight = distributed.localize(
             layout, hidden, item_weight, targets, bias, weight, class_weight, pos_weight)
-    backend = arguments.resolve_backend(backend, hidden)
+    backend = engines.resolve_backend(backend, hidden)
     loss = Loss(focal, label_smoothing)  # the per-element math, checked (its errors name the argument)
-    arguments.check_parallel_options(backend, mesh, vocab_parallel, vocab_axis, data_axis)  # on the resolved backend
+    engines.check_parallel_options(backend, mesh, vocab_parallel, vocab_axis, data_axis)  # on the resolved backend
     engine = engines.select(backend, vocab_parallel)
-    arguments.check_devices(
+    engines.check_devices(
         dict(hidden=hidden, item_weight=item_weight, targets=targets, bias=bias, weight=weight,
              class_weight=class_weight, pos_weight=pos_weight),
-        backend, engine.on_xla,
+        backend, engine,
     )
     arguments.check_constant("class_weight", class_weight)
     arguments.check_constant("pos_weight", pos_weight)

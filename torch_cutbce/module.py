@@ -8,7 +8,7 @@ from torch import nn
 from cutbce_common.focal import Focal
 from cutbce_common.loss import Loss
 from cutbce_common.shapes import AxisName, check_block_v, check_reduction
-from torch_cutbce.arguments import check_backend, check_parallel_options
+from torch_cutbce.engines import check_backend, check_parallel_options
 from torch_cutbce.functional import cut_bce_with_logits
 from torch_cutbce.route import VocabParallelOptions
 

@@ -4,8 +4,8 @@
 mesh, the vocabulary-parallel offset, and the `Loss` they carry to the custom ops as one string)
 and, for `vocab_parallel=`, this rank's `VocabParallelOptions` (its process group cannot cross an
 op boundary as a string, so it travels beside the options). Every torch engine takes one `Route`
-(`engines.py`). This module imports no engine: `arguments.py` checks a `VocabParallelOptions`
-without the ops that `vocab_parallel.py` needs (the import cycle it once closed).
+(`engines.py`). This module imports no engine, so the registry, the layouts and `arguments.py`
+(which the native ops import) all import it without a cycle.
 """
 
 from __future__ import annotations

@@ -1,8 +1,11 @@
 """Vocabulary-parallel CutBCE over torch.distributed: each rank holds the item rows `[start, stop)`.
 
 `cut_bce_with_logits(..., vocab_parallel=VocabParallelOptions(...))`, for CPU/CUDA tensors and
-any backend (gloo, NCCL), as Apple CCE's `VocabParallelOptions`. Each rank runs the native engine
-on its slice, keeping the ids in its slice as positives, and the rows are summed over the ranks:
+any torch.distributed backend (gloo, NCCL), as Apple CCE's `VocabParallelOptions`. A layout over an
+engine, not an engine: `engines.select` wraps the engine chosen for the tensors (one that
+`takes_vocab_parallel`: native) with `engines.over_ranks`, which calls the functions here. Each
+rank runs that engine on its slice (`options.offset` / `id_limit` set by the entry), keeping the
+ids in its slice as positives and the others as padding, and the rows are summed over the ranks:
 Megatron's conjugate regions, "copy" where the hidden states enter (all_reduce of `d_hidden` in
 the backward), "reduce" where the rows leave (one all_reduce of rows and counts in the forward).
 Every rank gets the same loss, metrics and `d_hidden`, and gradients for its own rows only.
@@ -14,7 +17,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from torch_cutbce import ops
 from torch_cutbce.route import VocabParallelOptions  # noqa: F401  (its home once: re-exported here)
 
 
@@ -53,19 +55,21 @@ def _check_slice(item_weight, vocab_parallel: VocabParallelOptions) -> None:
                          f"[{vocab_parallel.start}, {vocab_parallel.stop})")
 
 
-def vocab_parallel_rows(hidden, item_weight, targets, bias, class_weight, pos_weight, options, *,
-                        vocab_parallel: VocabParallelOptions):
-    """Rows `[N]` and counts `[4 or 0, N]` over the whole catalog, this rank holding `vocab_parallel`'s slice.
+def vocab_parallel_rows(engine, flat, route):
+    """Rows `[N]` and counts `[4 or 0, N]` over the whole catalog, this rank holding `route.vocab_parallel`'s slice.
 
-    Called by `cut_bce_with_logits(..., vocab_parallel=...)` with `[N, D]` / `[N, L]` inputs and its
-    `CutBCEOptions` (whose `offset` / `id_limit` are the slice's start and the global V); the same
-    rows, counts and `d_hidden` on every rank (module docstring).
+    `engine.rows` on this rank's slice: `flat` is the entry's `(hidden [N, D], item_weight [V_rank, D],
+    targets [N, L], bias, class_weight, pos_weight)` and `route.options` has `offset` / `id_limit`
+    (the slice's start and the global V); the same rows, counts and `d_hidden` on every rank
+    (module docstring).
     """
+    hidden, item_weight = flat[:2]
+    vocab_parallel = route.vocab_parallel
     _check_slice(item_weight, vocab_parallel)
     hidden = CopyToRanks.apply(hidden, vocab_parallel.group)
-    # Global ids: the op keeps those in [start, stop) as local ids, the others are another rank's;
-    # ids >= the global V raise (CPU) or assert (CUDA) inside the op, as on one device.
-    rows, counts = ops.rows(hidden, item_weight, targets, bias, class_weight, pos_weight, options)
+    # Global ids: the engine keeps those in [start, stop) as local ids, the others are another rank's;
+    # ids >= the global V raise (CPU) or assert (CUDA) inside it, as on one device.
+    rows, counts = engine.rows((hidden, *flat[1:]), route)
     return sum_rows_over_ranks(rows, counts, vocab_parallel.group)
 
 
@@ -76,19 +80,20 @@ def sum_rows_over_ranks(rows, counts, group):
     return stacked[0], stacked[1:].detach().float()
 
 
-def vocab_parallel_loss(hidden, item_weight, targets, bias, class_weight, pos_weight, weight, divisor, options, *,
-                        vocab_parallel: VocabParallelOptions):
+def vocab_parallel_loss(engine, flat, weight, divisor, route):
     """'sum' / 'mean' in one pass: `(loss [], counts [4 or 0])`, weighted and summed over positions.
 
-    Each rank's `torch_cutbce::loss` computes its items' share of the loss, counts and gradients
-    in the forward (`divisor` is the global one); one all_reduce sums the shares. hidden and
-    weight enter through `CopyToRanks`, so their gradients (each rank's partial) are summed over
-    the ranks.
+    Each rank's `engine.weighted_sum` (native: `torch_cutbce::loss`) computes its items' share of
+    the loss, counts and gradients in the forward (`divisor` is the global one); one all_reduce sums
+    the shares. hidden and weight enter through `CopyToRanks`, so their gradients (each rank's
+    partial) are summed over the ranks.
     """
+    hidden, item_weight = flat[:2]
+    vocab_parallel = route.vocab_parallel
     _check_slice(item_weight, vocab_parallel)
     hidden = CopyToRanks.apply(hidden, vocab_parallel.group)
     if weight is not None and weight.requires_grad:
         weight = CopyToRanks.apply(weight, vocab_parallel.group)
-    loss, counts = ops.loss(hidden, item_weight, targets, bias, class_weight, pos_weight, weight, divisor, options)
+    loss, counts = engine.weighted_sum((hidden, *flat[1:]), weight, divisor, route)
     stacked = SumOverRanks.apply(torch.cat([loss[None], counts.to(loss.dtype)]), vocab_parallel.group)
     return stacked[0], stacked[1:].detach().float()

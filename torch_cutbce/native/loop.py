@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 
 from cutbce_common.shapes import MAX_CONTRACTION, tile_width
-from torch_cutbce import fused_tile, positives
+from torch_cutbce import positives
+from torch_cutbce.native import fused_tile
 from torch_cutbce.reduction import weighted_count_sums  # the counts tail, shared with the entries
 
 

@@ -1,4 +1,4 @@
-"""Choose this machine's float32 CPU tile by measuring it: `python -m torch_cutbce.tune_tiles`.
+"""Choose this machine's float32 CPU tile by measuring it: `python -m torch_cutbce.native.tune_tiles`.
 
 The library runs the C kernel (`cutbce_common/cpu_tile.c`) for plain float32 CPU tiles
 wherever it builds, and times nothing on a first call. This command is the one place another tile
@@ -14,16 +14,18 @@ reads it; a rebuilt kernel, another CPU or another torch version starts from the
 `TORCH_CUTBCE_TILE` still forces a tile in any process. Docs: docs/performance.md, 'First call and
 tile choice'.
 
-    python -m torch_cutbce.tune_tiles                     # torch, about 1-2 min on 2 cores
-    python -m torch_cutbce.tune_tiles --framework both --rounds 7
+    python -m torch_cutbce.native.tune_tiles                     # torch, about 1-2 min on 2 cores
+    python -m torch_cutbce.native.tune_tiles --framework both --rounds 7
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import warnings
+from typing import Callable
 
 from cutbce_common import cpu_tile_build, tile_choice
 
@@ -33,10 +35,43 @@ def _say(caught) -> None:
         print(f"  ({warning.message})")
 
 
+def tuning_runs(num_positions: int = 4096, num_items: int = 32768, hidden_size: int = 64, num_targets: int = 8,
+                tiles: tuple[str, ...] | None = None, seed: int = 0) -> dict[str, Callable[[], None]]:
+    """For each of `tiles` (default: `fused_tile.available_tiles()`), one forward + backward of the
+    whole native loss through the entry ('mean', float32, the CPU) with `TORCH_CUTBCE_TILE` set to it
+    for the call: what this command times. A run raises where its tile did not run (torch.compile
+    failed). Here, not in `fused_tile`: the tile module never imports the entry above it."""
+    import torch
+
+    from torch_cutbce.functional import cut_bce_with_logits
+    from torch_cutbce.native import fused_tile
+
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(num_positions, hidden_size, generator=generator).requires_grad_()
+    items = (torch.randn(num_items, hidden_size, generator=generator) / hidden_size ** 0.5).requires_grad_()
+    targets = torch.randint(0, num_items, (num_positions, num_targets), generator=generator)
+
+    def run(tile: str) -> None:
+        previous = os.environ.get(tile_choice.ENV)
+        os.environ[tile_choice.ENV] = tile
+        try:
+            hidden.grad = items.grad = None
+            cut_bce_with_logits(hidden, items, targets, backend="native").backward()
+            if fused_tile._plain_cpu_tile() != tile:
+                raise RuntimeError(f"the {tile!r} tile did not run here")
+        finally:
+            if previous is None:
+                os.environ.pop(tile_choice.ENV, None)
+            else:
+                os.environ[tile_choice.ENV] = previous
+
+    return {tile: functools.partial(run, tile) for tile in (tiles or fused_tile.available_tiles())}
+
+
 def _torch_runs(args):
     import torch
 
-    from torch_cutbce import fused_tile
+    from torch_cutbce.native import fused_tile
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -51,7 +86,7 @@ def _torch_runs(args):
         return None, f"none of {', '.join(args.tiles)} is a torch tile ({', '.join(fused_tile.TILES)})"
     if "compiled" in tiles:
         print("  torch.compile's tile compiles in the first run of its candidate: 10-60 s")
-    runs = fused_tile.tuning_runs(args.num_positions, args.num_items, args.hidden_size, args.num_targets, tiles)
+    runs = tuning_runs(args.num_positions, args.num_items, args.hidden_size, args.num_targets, tiles)
     details = {"framework": "torch", "version": torch.__version__, "threads": torch.get_num_threads()}
     return (fused_tile.tuned_path(), runs, details, fused_tile._tuned_cpu_tile.cache_clear), None
 
@@ -129,7 +164,7 @@ def positive_int(text: str) -> int:
 
 def argument_parser() -> argparse.ArgumentParser:
     """The command's flags, every number checked as it is parsed (`positive_int`)."""
-    parser = argparse.ArgumentParser(prog="python -m torch_cutbce.tune_tiles", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m torch_cutbce.native.tune_tiles", description=__doc__.splitlines()[0])
     parser.add_argument("--framework", choices=("torch", "jax", "both"), default="torch")
     parser.add_argument("--rounds", type=positive_int, default=tile_choice.ROUNDS)
     parser.add_argument("--num-positions", type=positive_int, default=4096)

@@ -2,19 +2,19 @@
 
 Imported lazily (by `cut_bce_with_logits`, the first time it sees an XLA tensor), torch_xla
 first: torch_xla must claim the TPU before JAX does (its `jax_import_guard`). What each op
-computes, its fake, its autograd rule and the argument preparation are `bridge_ops`'s (shared
-with TorchTPU's registrar, tpu_bridge.py); this module only registers them:
+computes, its fake, its autograd rule and the argument preparation are `jax_bridge/ops.py`'s (shared
+with TorchTPU's registrar, jax_bridge/tpu.py); this module only registers them:
 
     nn.Module / cut_bce_with_logits ('none')
       -> torch.ops.cutbce.xla_rows        a torch.library custom op; `register_autograd` makes it an
                                           autograd.Function, `register_fake` lets dynamo see it as
                                           one opaque node (`torch.compile(backend='openxla',
                                           fullgraph=True)` works)
-      -> call_jax(jax_bridge.jax_forward) lowers the JAX function to HLO once per shape and splices
+      -> call_jax(jax_half.jax_forward) lowers the JAX function to HLO once per shape and splices
                                           it into torch_xla's lazy graph (same graph as the model)
       -> Pallas kernels on TPU, the blocked pure-JAX loop elsewhere (or Pallas in interpret mode)
-    backward: cutbce::xla_rows_backward -> call_jax(jax_bridge.jax_backward)
-    'sum' / 'mean': cutbce::xla_weighted_sum -> call_jax(jax_bridge.jax_weighted_sum): the
+    backward: cutbce::xla_rows_backward -> call_jax(jax_half.jax_backward)
+    'sum' / 'mean': cutbce::xla_weighted_sum -> call_jax(jax_half.jax_weighted_sum): the
       gradients come out of the forward; its backward only scales them
 
 With a mesh (`options.mesh_shape`) the same ops lower `jax_kernels.sharded`'s shard_map over an
@@ -33,9 +33,9 @@ from torch_xla._internal.jax_workarounds import jax_import_guard
 
 jax_import_guard()
 
-import jax_kernels.bridge as jax_bridge  # noqa: E402  (imports jax)
+import jax_kernels.bridge as jax_half  # noqa: E402  (imports jax)
 from jax_kernels.bridge import trace_count  # noqa: E402,F401  (the tests count lowerings)
-from torch_cutbce import bridge_ops  # noqa: E402
+from torch_cutbce.jax_bridge import ops  # noqa: E402
 
 from cutbce_common.options import CutBCEOptions  # noqa: E402
 
@@ -45,7 +45,7 @@ def _on_tpu() -> bool:
 
 
 def _static(options: str, hidden: torch.Tensor, item_weight: torch.Tensor) -> dict:
-    return jax_bridge.jax_static(options, hidden.shape[0], item_weight.shape[0], bridge_ops.dtype_name(hidden),
+    return jax_half.jax_static(options, hidden.shape[0], item_weight.shape[0], ops.dtype_name(hidden),
                                  _on_tpu())
 
 
@@ -59,14 +59,14 @@ def xla_rows(
     pos_weight: torch.Tensor | None,
     options: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows `[N]` and counts `[4 or 0, N]` of `jax_bridge.jax_forward`, computed through call_jax."""
+    """Rows `[N]` and counts `[4 or 0, N]` of `jax_half.jax_forward`, computed through call_jax."""
     static = _static(options, hidden, item_weight)
-    rows, counts = xb.call_jax(jax_bridge.jax_forward, (hidden, item_weight, targets, bias, class_weight,
+    rows, counts = xb.call_jax(jax_half.jax_forward, (hidden, item_weight, targets, bias, class_weight,
                                                         pos_weight), static)
     return rows, counts
 
 
-xla_rows.register_fake(bridge_ops.rows_fake)
+xla_rows.register_fake(ops.rows_fake)
 
 
 @torch.library.custom_op("cutbce::xla_rows_backward", mutates_args=())
@@ -80,9 +80,9 @@ def xla_rows_backward(
     g: torch.Tensor,
     options: str,
 ) -> list[torch.Tensor]:
-    """`[d_hidden, d_item_weight]` (+ `d_bias` when bias is given) from `jax_bridge.jax_backward`."""
+    """`[d_hidden, d_item_weight]` (+ `d_bias` when bias is given) from `jax_half.jax_backward`."""
     d_hidden, d_item_weight, d_bias = xb.call_jax(
-        jax_bridge.jax_backward, (hidden, item_weight, targets, bias, class_weight, pos_weight, g),
+        jax_half.jax_backward, (hidden, item_weight, targets, bias, class_weight, pos_weight, g),
         _static(options, hidden, item_weight),
     )
     return [d_hidden, d_item_weight] + ([] if bias is None else [d_bias])
@@ -90,10 +90,10 @@ def xla_rows_backward(
 
 @xla_rows_backward.register_fake
 def _(hidden, item_weight, targets, bias, class_weight, pos_weight, g, options):
-    return bridge_ops.backward_fake(hidden, item_weight, bias, placeholder=False)
+    return ops.backward_fake(hidden, item_weight, bias, placeholder=False)
 
 
-_rows_grad, _rows_setup = bridge_ops.rows_autograd(xla_rows_backward)
+_rows_grad, _rows_setup = ops.rows_autograd(xla_rows_backward)
 xla_rows.register_autograd(_rows_grad, setup_context=_rows_setup)
 
 
@@ -109,25 +109,25 @@ def xla_weighted_sum(
     options: str,
 ) -> list[torch.Tensor]:
     """`[loss, counts, rows, d_hidden, d_item_weight, d_bias or an empty placeholder]` of
-    `jax_bridge.jax_weighted_sum`."""
+    `jax_half.jax_weighted_sum`."""
     args = (hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight)
-    return list(xb.call_jax(jax_bridge.jax_weighted_sum, args, _static(options, hidden, item_weight)))
+    return list(xb.call_jax(jax_half.jax_weighted_sum, args, _static(options, hidden, item_weight)))
 
 
 @xla_weighted_sum.register_fake
 def _(hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight, options):
-    return bridge_ops.weighted_sum_fake(hidden, item_weight, bias, options, on_tpu=_on_tpu())
+    return ops.weighted_sum_fake(hidden, item_weight, bias, options, on_tpu=_on_tpu())
 
 
-xla_weighted_sum.register_autograd(bridge_ops.weighted_sum_backward, setup_context=bridge_ops.weighted_sum_setup)
+xla_weighted_sum.register_autograd(ops.weighted_sum_backward, setup_context=ops.weighted_sum_setup)
 
-OPS = bridge_ops.Registered(rows=xla_rows, weighted_sum=xla_weighted_sum, on_tpu=_on_tpu)
+OPS = ops.Registered(rows=xla_rows, weighted_sum=xla_weighted_sum, on_tpu=_on_tpu)
 
 
 def resolve_impl(options: CutBCEOptions, dtype: torch.dtype) -> str:
     """The JAX engine `options.impl` names for XLA inputs of `dtype` ('auto': Pallas on a TPU for
     float32 / bfloat16). Raises TypeError for impl='pallas' with another dtype."""
-    return bridge_ops.resolve_impl(options, str(dtype).removeprefix("torch."), _on_tpu())
+    return ops.resolve_impl(options, str(dtype).removeprefix("torch."), _on_tpu())
 
 
 def cut_bce_weighted_sum(hidden, item_weight, targets, bias, class_weight, pos_weight, row_weight,
@@ -139,8 +139,8 @@ def cut_bce_weighted_sum(hidden, item_weight, targets, bias, class_weight, pos_w
     `row_weight` `[N]` is the position weight over the reduction's divisor; it gets the rows as
     its gradient.
     """
-    return bridge_ops.cut_bce_weighted_sum(OPS, hidden, item_weight, targets, bias, class_weight, pos_weight,
-                                           row_weight, options)
+    return ops.cut_bce_weighted_sum(OPS, hidden, item_weight, targets, bias, class_weight, pos_weight,
+                                    row_weight, options)
 
 
 def cut_bce_rows(hidden, item_weight, targets, bias, class_weight, pos_weight, options: CutBCEOptions):
@@ -151,4 +151,4 @@ def cut_bce_rows(hidden, item_weight, targets, bias, class_weight, pos_weight, o
     over an AbstractMesh of the same shape and axis names, i.e. row-major logical ids) run the call
     sharded under torch_xla SPMD; `()` runs it on one device.
     """
-    return bridge_ops.cut_bce_rows(OPS, hidden, item_weight, targets, bias, class_weight, pos_weight, options)
+    return ops.cut_bce_rows(OPS, hidden, item_weight, targets, bias, class_weight, pos_weight, options)

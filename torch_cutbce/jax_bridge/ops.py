@@ -1,8 +1,8 @@
 """The torch half both JAX bridges share: each custom op's fake, its autograd rule, and the
 argument preparation around it. What each op computes is the JAX half, `jax_kernels/bridge.py`
 (`jax_forward`, `jax_backward`, `jax_weighted_sum`, `jax_static`). Only the registrar differs (how
-a torch tensor reaches JAX): torch_xla's `call_jax` (xla_bridge.py) or TorchTPU's
-`torch.tpu.pallas.jax_op` (tpu_bridge.py).
+a torch tensor reaches JAX): torch_xla's `call_jax` (jax_bridge/xla.py) or TorchTPU's
+`torch.tpu.pallas.jax_op` (jax_bridge/tpu.py).
 
 Imported only by a registrar, after it has imported its framework (torch_xla must claim the device
 before jax is imported): the JAX half imports jax.

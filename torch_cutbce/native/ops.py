@@ -21,7 +21,8 @@ import torch
 from torch import Tensor
 
 from cutbce_common.options import CutBCEOptions, decode
-from torch_cutbce import native, positives
+from torch_cutbce import positives
+from torch_cutbce.native import loop
 from torch_cutbce.arguments import check_ids_below_vocab
 
 
@@ -59,7 +60,7 @@ def _rows(hidden: Tensor, item_weight: Tensor, targets: Tensor, bias: Tensor | N
     o = decode(options)
     _check_ids(targets, item_weight, o)
     with torch.autocast(hidden.device.type, enabled=False), torch.no_grad():
-        return native.rows_forward(hidden, item_weight, targets, bias, class_weight, pos_weight, o)
+        return loop.rows_forward(hidden, item_weight, targets, bias, class_weight, pos_weight, o)
 
 
 @_rows.register_fake
@@ -77,7 +78,7 @@ def _rows_backward(hidden: Tensor, item_weight: Tensor, ids: Tensor, bias: Tenso
                    class_weight: Tensor | None, pos_weight: Tensor | None, logits: Tensor, g: Tensor,
                    need: list[bool], options: str) -> tuple[Tensor, Tensor, Tensor]:
     with torch.autocast(hidden.device.type, enabled=False), torch.no_grad():
-        grads = native.rows_backward(hidden, item_weight, ids, bias, class_weight, pos_weight, logits, g,
+        grads = loop.rows_backward(hidden, item_weight, ids, bias, class_weight, pos_weight, logits, g,
                                      tuple(need), decode(options))
     return tuple(_no_grad_buffer(logits) if d is None else d for d in grads)
 
@@ -114,7 +115,7 @@ _rows.register_autograd(_rows_grad, setup_context=_rows_setup)
 
 
 def rows(hidden, item_weight, targets, bias, class_weight, pos_weight, options: CutBCEOptions):
-    """`(rows [N], counts [4, N] or [0, N])` of `native.rows_forward` for `[N, D]` / `[N, L]` inputs."""
+    """`(rows [N], counts [4, N] or [0, N])` of `loop.rows_forward` for `[N, D]` / `[N, L]` inputs."""
     out = _rows(hidden, item_weight, targets, bias, class_weight, pos_weight, options.encode())
     return out[0], out[1]
 
@@ -129,7 +130,7 @@ def _loss(hidden: Tensor, item_weight: Tensor, targets: Tensor, bias: Tensor | N
     o = decode(options)
     _check_ids(targets, item_weight, o)
     with torch.autocast(hidden.device.type, enabled=False), torch.no_grad():
-        out = native.loss_and_grads(hidden, item_weight, targets, bias, class_weight, pos_weight, weight,
+        out = loop.loss_and_grads(hidden, item_weight, targets, bias, class_weight, pos_weight, weight,
                                     divisor, tuple(need), o)
     loss, counts, row_losses = out[:3]
     return (loss, counts, row_losses, *(_no_grad_buffer(row_losses) if d is None else d for d in out[3:]))
@@ -181,7 +182,7 @@ _loss.register_autograd(_loss_grad, setup_context=_loss_setup)
 
 def loss(hidden, item_weight, targets, bias, class_weight, pos_weight, weight, divisor: float,
          options: CutBCEOptions):
-    """`(loss [], counts [4] or [0])` of `native.loss_and_grads` for `[N, D]` / `[N, L]` inputs: the
+    """`(loss [], counts [4] or [0])` of `loop.loss_and_grads` for `[N, D]` / `[N, L]` inputs: the
     weighted rows' sum over `divisor`, the gradients computed only for the inputs that require them
     while grad mode is on."""
     grad_on = torch.is_grad_enabled()

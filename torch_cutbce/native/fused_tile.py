@@ -15,7 +15,7 @@ Plain float32 tiles on the CPU run one of three candidates (`TILES`): by default
 `cutbce_common/cpu_tile.c` (built once per machine, under a second; one pass that may write dz
 over z: `writes_grad_in_place`), with nothing timed and nothing compiled by torch.compile in the
 process. The `torch.compile`d version or the eager twin runs instead where `TORCH_CUTBCE_TILE` says
-so, where `python -m torch_cutbce.tune_tiles` measured it faster over the whole forward + backward
+so, where `python -m torch_cutbce.native.tune_tiles` measured it faster over the whole forward + backward
 (`_tuned_cpu_tile`, `cutbce_common/tile_choice.py`), or where the kernel cannot be built
 (torch.compile's tile with a C++ compiler, else eager). Other float32 tiles (CUDA, any other `Loss`)
 run the `torch.compile`d version (one vectorized loop per function) with log1p as a polynomial
@@ -294,7 +294,7 @@ def _plain_cpu_tile() -> str:
 
 @functools.cache
 def _tuned_cpu_tile() -> tile_choice.Choice | None:
-    """The choice `python -m torch_cutbce.tune_tiles` cached for this kernel build and torch version
+    """The choice `python -m torch_cutbce.native.tune_tiles` cached for this kernel build and torch version
     (read once per process), or None: the C kernel."""
     return tile_choice.cached(tuned_path(), TILES)
 
@@ -312,35 +312,6 @@ def available_tiles() -> tuple[str, ...]:
         return ("eager",)
     return tuple(tile for tile in TILES if (tile != "c_kernel" or _cpu_library() is not None)
                  and (tile != "compiled" or _cpu_compiling_allowed()))
-
-
-def tuning_runs(num_positions: int = 4096, num_items: int = 32768, hidden_size: int = 64, num_targets: int = 8,
-                tiles: tuple[str, ...] | None = None, seed: int = 0) -> dict[str, Callable[[], None]]:
-    """For each of `tiles` (default: `available_tiles()`), one forward + backward of the whole native
-    loss ('mean', float32, the CPU) with `TORCH_CUTBCE_TILE` set to it for the call: what the tuning
-    command times. A run raises where its tile did not run (torch.compile failed)."""
-    from torch_cutbce.functional import cut_bce_with_logits  # the entry imports this module
-
-    generator = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(num_positions, hidden_size, generator=generator).requires_grad_()
-    items = (torch.randn(num_items, hidden_size, generator=generator) / hidden_size ** 0.5).requires_grad_()
-    targets = torch.randint(0, num_items, (num_positions, num_targets), generator=generator)
-
-    def run(tile: str) -> None:
-        previous = os.environ.get(tile_choice.ENV)
-        os.environ[tile_choice.ENV] = tile
-        try:
-            hidden.grad = items.grad = None
-            cut_bce_with_logits(hidden, items, targets, backend="native").backward()
-            if _plain_cpu_tile() != tile:
-                raise RuntimeError(f"the {tile!r} tile did not run here")
-        finally:
-            if previous is None:
-                os.environ.pop(tile_choice.ENV, None)
-            else:
-                os.environ[tile_choice.ENV] = previous
-
-    return {tile: functools.partial(run, tile) for tile in (tiles or available_tiles())}
 
 
 def _tile_for(name: str, z: torch.Tensor) -> str:

@@ -1,0 +1,132 @@
+"""The torch engine registry describes itself (torch_cutbce/engines.py; docs/design.md, 'The engine map').
+
+`BACKENDS`, backend='auto', the `mesh=` / `vocab_parallel=` checks and the vocab-parallel layout read
+each `Engine`'s fields, so a new engine is one registry entry: checked here with stand-in engines
+put in the registry for one test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import pytest
+import torch
+from parity import assert_close
+
+import torch_cutbce
+from torch_cutbce import cut_bce_with_logits, dense_bce_with_logits, engines
+from torch_cutbce.route import VocabParallelOptions
+
+NUM_ITEMS, HIDDEN_SIZE = 37, 6
+
+
+def _on(device_type: str):
+    """What `resolve_backend` reads of `hidden`: its device (any type, no tensor needed)."""
+    return types.SimpleNamespace(device=types.SimpleNamespace(type=device_type))
+
+
+def test_the_backends_are_auto_and_the_registry_in_its_order():
+    assert torch_cutbce.BACKENDS == ("auto", *engines.ENGINES)
+    assert torch_cutbce.BACKENDS == ("auto", "native", "dense", "xla", "xla_blocked", "xla_pallas", "torch_tpu")
+
+
+@pytest.mark.parametrize("device_type, engine", [("cpu", "native"), ("cuda", "native"), ("meta", "native"),
+                                                 ("mps", "native"), ("xla", "xla"), ("tpu", "torch_tpu")])
+def test_auto_picks_by_device_type(device_type, engine):
+    assert engines.resolve_backend("auto", _on(device_type)) == engine
+    assert engines.resolve_backend("dense", _on(device_type)) == "dense"  # a named backend is kept
+
+
+def test_an_engine_naming_a_device_type_wins_over_any_device_where_it_is_available(monkeypatch):
+    """As a CUDA engine that needs an optional package would be registered (after native in the
+    registry: a device type named beats `ANY_DEVICE`, whatever the order)."""
+    available = []
+    native = engines.ENGINES["native"]
+    fake = dataclasses.replace(native, name="fake", auto_on=("cuda",), available=lambda: bool(available))
+    monkeypatch.setitem(engines.ENGINES, "fake", fake)
+    assert engines.resolve_backend("auto", _on("cuda")) == "native"
+    available.append(True)
+    assert engines.resolve_backend("auto", _on("cuda")) == "fake"
+    assert engines.resolve_backend("auto", _on("cpu")) == "native"
+    monkeypatch.setitem(engines.ENGINES, "native", dataclasses.replace(native, auto_on=()))
+    with pytest.raises(ValueError, match="backend='auto' finds no engine for tensors on"):
+        engines.resolve_backend("auto", _on("cpu"))
+
+
+def test_the_parallel_option_checks_read_the_fields(monkeypatch):
+    vocab_parallel, mesh = VocabParallelOptions(0, 4, 8), types.SimpleNamespace(axis_names=("data", "model"))
+    engines.check_parallel_options("native", None, vocab_parallel)
+    engines.check_parallel_options("xla_blocked", mesh, None)
+    engines.check_parallel_options("auto", mesh, None)  # the tensors decide
+    monkeypatch.setitem(engines.ENGINES, "dense", dataclasses.replace(engines.ENGINES["dense"],
+                                                                      takes_vocab_parallel=True, takes_mesh=True))
+    monkeypatch.setitem(engines.ENGINES, "native", dataclasses.replace(engines.ENGINES["native"],
+                                                                       takes_vocab_parallel=False))
+    engines.check_parallel_options("dense", None, vocab_parallel)
+    engines.check_parallel_options("dense", mesh, None)
+    with pytest.raises(ValueError, match=r"vocab_parallel= needs an engine that takes a slice of the table "
+                                         r"\(backend='auto' or 'dense'\), got backend='native'"):
+        engines.check_parallel_options("native", None, vocab_parallel)
+    with pytest.raises(ValueError, match=r"mesh= runs under torch_xla SPMD and needs XLA tensors, got backend='native'"):
+        engines.check_parallel_options("native", mesh, None)
+
+
+def test_the_device_checks_read_the_fields():
+    cpu = {"hidden": torch.zeros(1)}
+    engines.check_devices(cpu, "native", engines.ENGINES["native"])
+    engines.check_devices(cpu, "dense", engines.ENGINES["dense"])
+    with pytest.raises(ValueError, match=r"backend='xla' needs tensors on an XLA device \(torch_xla\), got cpu"):
+        engines.check_devices(cpu, "xla", engines.ENGINES["xla"])
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A gloo group of one rank in this process: enough for vocab_parallel to run its all_reduces."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("reduction", ["none", "sum"])
+def test_vocab_parallel_wraps_the_engine_chosen_for_the_tensors(one_rank_group, monkeypatch, reduction):
+    """`select(backend, vocab_parallel)` is the backend's engine under `over_ranks`: the engine gets this
+    rank's slice, its options' offset and id limit, and the ids outside its slice count as padding."""
+    native = engines.ENGINES["native"]
+    assert engines.select("native", None) is native
+    wrapped = engines.select("native", VocabParallelOptions(0, NUM_ITEMS, NUM_ITEMS))
+    assert wrapped.rows is not native.rows and not wrapped.drops_padded_positions
+
+    seen = []
+
+    def rows(flat, route):
+        seen.append(("rows", route.options.offset, route.options.id_limit, flat[1].shape[0]))
+        return native.rows(flat, route)
+
+    def weighted_sum(flat, weight, divisor, route):
+        seen.append(("weighted_sum", route.options.offset, route.options.id_limit, flat[1].shape[0]))
+        return native.weighted_sum(flat, weight, divisor, route)
+
+    inner = dataclasses.replace(native, rows=rows, weighted_sum=weighted_sum)
+    monkeypatch.setitem(engines._OVER_RANKS, "native", engines.over_ranks(inner))
+
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(5, HIDDEN_SIZE, dtype=torch.float64, generator=generator)
+    items = torch.randn(NUM_ITEMS, HIDDEN_SIZE, dtype=torch.float64, generator=generator)
+    targets = torch.randint(-1, NUM_ITEMS, (5, 4), generator=generator)
+    start = 11  # one rank holding items [start, V): the ids below start are another rank's
+    got = cut_bce_with_logits(hidden, items[start:], targets, reduction=reduction,
+                              vocab_parallel=VocabParallelOptions(start, NUM_ITEMS, NUM_ITEMS))
+    local = torch.where(targets >= start, targets - start, -1)
+    want = dense_bce_with_logits(hidden, items[start:], local, reduction=reduction)
+    if reduction == "sum":
+        assert seen == [("weighted_sum", start, NUM_ITEMS, NUM_ITEMS - start)]
+    else:
+        assert seen == [("rows", start, NUM_ITEMS, NUM_ITEMS - start)]
+    assert_close(got, want, dtype="float64", name=f"vocab_parallel {reduction} over a wrapped engine")
