@@ -1,0 +1,134 @@
+"""Launching the Triton kernels: block sizes, grids, the `Loss` as constexprs, the float32 rule.
+
+`rows_pass` runs `kernels.row_kernel` (rows, counts, `d_hidden`), `items_pass` runs
+`kernels.item_kernel` (`d_item_weight`, `d_bias`); both take contiguous `hidden [N, D]` and
+`item_weight [V, D]` of one dtype (float32, bfloat16 or float16), `ids [N, L]` int32 (-1 padding)
+and float32 `bias`, `class_weight`, `pos_weight` `[V]` and row gradient `g [N]` (None where absent),
+and return float32 results.
+
+The block sizes are fixed (`ROW_BLOCKS`, `ITEM_BLOCKS`): no autotuning, since what is verified
+without a GPU (the interpreter's parity, the sm_80 / sm_90 compiles and their register and
+shared-memory budgets, tests/test_triton_compile.py) must be what runs.
+
+float32 products use `input_precision="ieee"`: Triton's default for float32 `tl.dot` is TF32 (10
+mantissa bits), which would miss the float32 bound on every row, and
+`torch.backends.cuda.matmul.allow_tf32` does not reach a Triton kernel. bfloat16 / float16 tiles
+multiply on tensor cores with float32 accumulation; `dz` is rounded to the input dtype for its
+product, as the dense loss in that dtype rounds its logits' gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+
+from cutbce_common.loss import Loss
+from torch_cutbce.triton import interpreter, kernels
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The widest hidden block a program holds: wider hidden sizes take several programs per block of
+# rows (or items), each recomputing the logits over the whole D (grid axis 1).
+MAX_BLOCK_D = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """One kernel's fixed launch configuration.
+
+    Attributes:
+      block_n, block_v: the logit tile `[block_n, block_v]` (powers of two, >= 16: `tl.dot`'s minimum).
+      max_block_d: the widest `BLOCK_D` (power of two, >= 16); a program's is `min(max_block_d,
+        next_power_of_2(D))`.
+      num_warps, num_stages: Triton's.
+    """
+
+    block_n: int = 64
+    block_v: int = 64
+    max_block_d: int = MAX_BLOCK_D
+    num_warps: int = 8
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_n", "block_v", "max_block_d"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {name}={value}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got num_warps={self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got num_stages={self.num_stages}")
+
+    def block_d(self, hidden_size: int) -> int:
+        return min(self.max_block_d, max(16, triton.next_power_of_2(hidden_size)))
+
+
+ROW_BLOCKS = Blocks()
+ITEM_BLOCKS = Blocks()
+
+
+def precision(dtype: torch.dtype) -> str:
+    """`tl.dot`'s input_precision: exact float32 products for float32 (module docstring)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def loss_constants(loss: Loss) -> tuple[tuple, dict]:
+    """The `Loss` as the kernels take it: `numbers()` as scalars, `form()` as constexprs."""
+    form, numbers = loss.form(), loss.numbers()
+    scalars = (numbers.gamma, numbers.fraction, numbers.half_smoothing, numbers.positive_scale,
+               numbers.negative_scale)
+    constexprs = dict(FOCAL=form.focal, POWER=form.power, FRACTION=form.fraction, SMOOTHING=form.smoothing,
+                      BALANCED=form.balanced)
+    return tuple(float(x) for x in scalars), constexprs
+
+
+def _or_dummy(x: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """A pointer the kernel never reads (its HAS_* flag is False)."""
+    return like.new_empty((0,), dtype=torch.float32) if x is None else x
+
+
+def _common(hidden, item_weight, ids, bias, class_weight, pos_weight, loss, blocks):
+    if interpreter.interpreting():
+        interpreter.make_compatible()
+    scalars, constexprs = loss_constants(loss)
+    dummy = lambda x: _or_dummy(x, hidden)  # noqa: E731
+    pointers = (hidden, item_weight, dummy(bias), dummy(class_weight), dummy(pos_weight), ids)
+    sizes = (hidden.shape[0], item_weight.shape[0], hidden.shape[1], ids.shape[1])
+    flags = dict(HAS_BIAS=bias is not None, HAS_CW=class_weight is not None, HAS_PW=pos_weight is not None,
+                 **constexprs, BLOCK_N=blocks.block_n, BLOCK_V=blocks.block_v,
+                 BLOCK_D=blocks.block_d(hidden.shape[1]), ONE_CHUNK=hidden.shape[1] <= blocks.block_d(hidden.shape[1]),
+                 PRECISION=precision(hidden.dtype),
+                 num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+    return pointers, sizes, scalars, flags
+
+
+def rows_pass(hidden, item_weight, ids, bias, class_weight, pos_weight, g, loss: Loss, *, with_rows: bool,
+              with_counts: bool, blocks: Blocks = ROW_BLOCKS):
+    """`(rows [N] or None, counts [2, N] int32 or None, d_hidden [N, D] or None)`: `d_hidden` when
+    `g` is given."""
+    n, d = hidden.shape
+    pointers, sizes, scalars, flags = _common(hidden, item_weight, ids, bias, class_weight, pos_weight, loss, blocks)
+    f32 = dict(dtype=torch.float32, device=hidden.device)
+    rows = torch.empty(n if with_rows else 0, **f32)
+    counts = torch.empty((2, n) if with_counts else (0,), dtype=torch.int32, device=hidden.device)
+    d_hidden = torch.empty((n, d) if g is not None else (0,), **f32)
+    columns = max(1, triton.cdiv(d, flags["BLOCK_D"])) if g is not None else 1  # D = 0: one column
+    grid = (triton.cdiv(n, blocks.block_n), columns)
+    kernels.row_kernel[grid](*pointers, _or_dummy(g, hidden), rows, counts, d_hidden, *sizes, *scalars,
+                             WITH_ROWS=with_rows, WITH_COUNTS=with_counts, WITH_GRAD=g is not None, **flags)
+    return (rows if with_rows else None, counts if with_counts else None, d_hidden if g is not None else None)
+
+
+def items_pass(hidden, item_weight, ids, bias, class_weight, pos_weight, g, loss: Loss, *, with_items: bool,
+               with_bias: bool, blocks: Blocks = ITEM_BLOCKS):
+    """`(d_item_weight [V, D] or None, d_bias [V] or None)` for the row gradient `g [N]`."""
+    v, d = item_weight.shape
+    pointers, sizes, scalars, flags = _common(hidden, item_weight, ids, bias, class_weight, pos_weight, loss, blocks)
+    f32 = dict(dtype=torch.float32, device=hidden.device)
+    d_items = torch.empty((v, d) if with_items else (0,), **f32)
+    d_bias = torch.empty(v if with_bias else 0, **f32)
+    grid = (triton.cdiv(v, blocks.block_v), max(1, triton.cdiv(d, flags["BLOCK_D"])) if with_items else 1)
+    kernels.item_kernel[grid](*pointers, g, d_items, d_bias, *sizes, *scalars, WITH_ITEMS=with_items,
+                              WITH_BIAS_GRAD=with_bias, **flags)
+    return d_items if with_items else None, d_bias if with_bias else None

@@ -1,0 +1,104 @@
+"""Each logit's `(loss, slope)` on its own branch, in Triton: the sister of `torch_cutbce/branch_math.py`.
+
+The same formulas (that module's docstring and `cutbce_common/loss.py`), written for a kernel's
+registers: `u` is the logit seen from its label (`z` at a negative, `-z` at a positive, `y` says
+which), `e = exp(-|z|)` in (0, 1] serves softplus, sigmoid and the focal factor, and no term is
+formed as a difference of large ones, so each element is exact to rounding for any z.
+
+Only what both Triton's interpreter and its CUDA backend run exactly as written: `x / y` lowers to
+PTX's approximate `div.full.f32` and `tl.exp` to `ex2.approx` of `x log2(e)` (whose rounding costs
+|x| 6e-8 relative, 5e-6 at x = -80), so divisions are `tl.div_rn` and `exp(-|z|)` is reduced to
+[-ln2 / 2, ln2 / 2] first (Cody-Waite, as libdevice's expf; libdevice itself has no interpreter
+twin); every exponent here is <= 0, so `exp_neg_abs` serves them all. `log1p` is the degree-4
+polynomial of the other engines (4e-9 relative).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def exp_neg_abs(z):
+    """`exp(-|z|)` to about 2 ulp: `2^k exp(r)` with `k = round(-|z| / ln2)` (at least -126, so that
+    2^k is a normal float built from its bits) and `r = -|z| - k ln2` (ln2 in two parts, k ln2_hi
+    exact). NaN stays NaN; z = inf gives 0."""
+    x = -tl.abs(z)
+    k = tl.maximum(tl.floor(x * 1.4426950408889634 + 0.5), -126.0)
+    k = tl.where(x == x, k, 0.0)  # NaN: keep the integer conversion defined (x carries the NaN)
+    r = (x - k * 0.693145751953125) - k * 1.428606765330187e-06
+    two_to_k = ((k.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
+    return tl.exp(r) * two_to_k
+
+
+@triton.jit
+def log1p_unit(e):
+    """`log1p(e)` for e in [0, 1]: `2 atanh(t) = 2 t P(t^2)`, `t = e / (2 + e)` (the other engines'
+    fit: `torch_cutbce/branch_math.log1p_from_t`)."""
+    t = tl.div_rn(e, 2.0 + e)
+    s = t * t
+    p = 0.33333160203203005 + s * (0.20012325666897016 + s * (0.13982172352698377 + s * 0.1408072687843689))
+    return 2.0 * t * (1.0000000038619887 + s * p)
+
+
+@triton.jit
+def two_sum(a, b):
+    """`(a + b, its rounding error)`, exactly (Knuth's TwoSum): the compensated sums across tiles."""
+    total = a + b
+    b_part = total - a
+    return total, (a - (total - b_part)) + (b - b_part)
+
+
+@triton.jit
+def integer_power(x, POWER: tl.constexpr):
+    """`x ** POWER` for a static POWER >= 1, as plain multiplies."""
+    result = x
+    for _ in tl.static_range(POWER - 1):
+        result = result * x
+    return result
+
+
+@triton.jit
+def labelled_terms(z, y, gamma, fraction, c, positive_scale, negative_scale,
+                   FOCAL: tl.constexpr, POWER: tl.constexpr, FRACTION: tl.constexpr,
+                   SMOOTHING: tl.constexpr, BALANCED: tl.constexpr):
+    """`(loss, d loss / dz)` of each logit `z` whose label is `y` (bool), before the weights.
+
+    The `Loss` arrives as its `form()` (the constexprs) and `numbers()` (gamma, its fraction, c =
+    smoothing / 2, the branch scales). With `u = -z if y else z` and `B(u) = (1 - c) max(u, 0) +
+    c max(-u, 0) + log1p(e)`: term = q^gamma B, slope = q^gamma (B' + gamma bend B), where q^gamma
+    is `focal_factor`'s exact split without smoothing and `exp(gamma log q)` with it.
+    """
+    u = tl.where(y, -z, z)
+    e = exp_neg_abs(z)
+    tail = log1p_unit(e)
+    one_plus_e = 1.0 + e
+    sigmoid_u = tl.div_rn(tl.where(u >= 0, 1.0, e), one_plus_e)
+    if SMOOTHING:
+        plus = (1.0 - c) * tl.maximum(u, 0.0) - c * tl.minimum(u, 0.0) + tail
+        slope = sigmoid_u - c
+    else:
+        plus = tl.maximum(u, 0.0) + tail
+        slope = sigmoid_u
+    if FOCAL:
+        sigmoid_flip = tl.div_rn(tl.where(u >= 0, e, 1.0), one_plus_e)
+        if SMOOTHING:
+            q = c + (1.0 - 2.0 * c) * sigmoid_u
+            factor = exp_neg_abs(gamma * tl.log(q))  # q in (0, 1]: the exponent is <= 0
+            bend = tl.div_rn((1.0 - 2.0 * c) * sigmoid_u * sigmoid_flip, q)
+        else:
+            exponent = -gamma * tail
+            if FRACTION:
+                exponent += tl.minimum(u, 0.0) * fraction  # - f max(-u, 0), exactly
+            factor = exp_neg_abs(exponent)  # exponent <= 0
+            if POWER > 0:
+                factor = factor * integer_power(tl.where(u < 0, e, 1.0), POWER)
+            bend = sigmoid_flip
+        slope = factor * (gamma * bend * plus + slope)
+        plus = factor * plus
+    if BALANCED:
+        scale = tl.where(y, positive_scale, negative_scale)
+        plus = plus * scale
+        slope = slope * scale
+    return plus, tl.where(y, -slope, slope)  # du/dz = -1 at a positive
