@@ -209,17 +209,17 @@ def test_opcheck_native_ops(name):
     options = OPCHECK_OPTIONS[name].encode()
     t = _native_inputs()
     rows_args = (t["hidden"], t["item_weight"], t["targets"], t["bias"], t["class_weight"], t["pos_weight"], options)
-    torch.library.opcheck(ops._rows, rows_args)
-    _, _, logits, ids = ops._rows(*(x.detach() if isinstance(x, torch.Tensor) else x for x in rows_args))
+    torch.library.opcheck(ops.OPS.rows_op, rows_args)
+    _, _, logits, ids = ops.OPS.rows_op(*(x.detach() if isinstance(x, torch.Tensor) else x for x in rows_args))
     g = torch.rand(t["hidden"].shape[0], dtype=torch.float64)
     backward_args = (t["hidden"].detach(), t["item_weight"].detach(), ids, t["bias"].detach(), t["class_weight"],
                      t["pos_weight"], logits, g, [True, True, True], options)
-    torch.library.opcheck(ops._rows_backward, backward_args)
+    torch.library.opcheck(ops.OPS.rows_backward_op, backward_args)
     loss_args = (t["hidden"], t["item_weight"], t["targets"], t["bias"], t["class_weight"], t["pos_weight"],
                  t["weight"], 37.0, [True, True, True], options)
     # Not test_aot_dispatch_dynamic: the one-pass backward scales its saved gradients in place
     # (mul_, once: a second backward raises), which that check's functionalized graph rejects
     # ("Node mul was invalid, but is output"), as before the options; torch.compile of the
     # whole loss is tests/test_torch_toolchain.py's.
-    torch.library.opcheck(ops._loss, loss_args, test_utils=("test_schema", "test_autograd_registration",
+    torch.library.opcheck(ops.OPS.loss_op, loss_args, test_utils=("test_schema", "test_autograd_registration",
                                                             "test_faketensor"))

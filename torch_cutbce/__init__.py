@@ -1,6 +1,7 @@
 """torch-cutbce: exact full-catalog binary cross-entropy without materializing `[N, V]` logits."""
 
 from cutbce_common.focal import Focal
+from torch_cutbce.engines import resolved_backend
 from torch_cutbce.functional import BACKENDS, cut_bce_with_logits
 from torch_cutbce.metrics import CutBCEMetrics
 from torch_cutbce.module import CutBCEWithLogitsLoss
@@ -22,5 +23,6 @@ __all__ = [
     "full_catalog_topk",
     "ids_to_multi_hot",
     "multi_hot_to_ids",
+    "resolved_backend",
     "without_padding_row",
 ]

@@ -37,6 +37,8 @@ bridges' do, where that module needs an optional package); nothing outside this 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import warnings
 from typing import Callable
 
 import torch
@@ -80,6 +82,8 @@ class Engine:
       available: whether it can run in this process (an optional package imports); asked only by
         backend='auto', inside the traced entry under torch.compile, so it must be cheap and
         traceable. An engine named explicitly runs regardless (and fails on its own import).
+      dtypes: the `hidden` dtypes it computes in (None: any); 'auto' passes over it for others,
+        and naming it for another is refused (`check_devices`).
     """
 
     name: str
@@ -92,6 +96,10 @@ class Engine:
     drops_padded_positions: bool = False
     auto_on: tuple[str, ...] = ()
     available: Callable[[], bool] = always
+    dtypes: tuple[torch.dtype, ...] | None = None
+
+    def takes_dtype(self, dtype: torch.dtype) -> bool:
+        return self.dtypes is None or dtype in self.dtypes
 
 
 def _native_rows(flat, route):
@@ -151,11 +159,36 @@ def _bridge_engine(name: str, module: str, impl: str, **fields) -> Engine:
     return Engine(name, rows, weighted_sum, impl=impl, **fields)
 
 
+def _triton_ops():
+    """`torch_cutbce.triton.ops`, imported on first use: it imports triton."""
+    from torch_cutbce.triton import ops as triton_ops
+
+    return triton_ops
+
+
+def _triton_rows(flat, route):
+    return _triton_ops().rows(*flat, route.options)
+
+
+def _triton_weighted_sum(flat, weight, divisor, route):
+    return _triton_ops().loss(*flat, weight, divisor, route.options)
+
+
+@torch.compiler.assume_constant_result  # a constant of the process: dynamo need not trace importlib
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 # Registry order is `BACKENDS`' order and 'auto''s priority among engines naming one device type.
 ENGINES = {
     "native": Engine("native", _native_rows, _native_weighted_sum, takes_vocab_parallel=True,
                      drops_padded_positions=True, auto_on=(ANY_DEVICE,)),
     "dense": Engine("dense", _dense_rows, _dense_weighted_sum, on_xla=None),
+    # Fused Triton kernels (torch_cutbce/triton/): 'auto' on CUDA; CPU tensors run in Triton's
+    # interpreter (TRITON_INTERPRET=1 before triton is imported).
+    "triton": Engine("triton", _triton_rows, _triton_weighted_sum, takes_vocab_parallel=True,
+                     drops_padded_positions=True, auto_on=("cuda",), available=_triton_installed,
+                     dtypes=(torch.float32, torch.bfloat16, torch.float16)),
     **{name: _bridge_engine(name, "xla", impl, on_xla=True, takes_mesh=True, auto_on=auto_on)
        for name, impl, auto_on in (("xla", "auto", ("xla",)), ("xla_blocked", "blocked", ()),
                                    ("xla_pallas", "pallas", ()))},
@@ -205,9 +238,29 @@ def resolve_backend(backend: str, hidden: torch.Tensor) -> str:
     device_type = hidden.device.type
     for wanted in (device_type, ANY_DEVICE):
         for name, engine in ENGINES.items():
-            if wanted in engine.auto_on and engine.available():
-                return name
+            if wanted in engine.auto_on and engine.takes_dtype(hidden.dtype):
+                if engine.available():
+                    return name
+                _say_unavailable(name, device_type)
     raise ValueError(f"backend='auto' finds no engine for tensors on {hidden.device}; name one of {BACKENDS[1:]}")
+
+
+_said_unavailable: set[str] = set()
+
+
+def _say_unavailable(name: str, device_type: str) -> None:
+    """Once per process (eagerly): 'auto' passes over the engine made for these tensors."""
+    if name not in _said_unavailable and not torch.compiler.is_compiling():
+        _said_unavailable.add(name)
+        warnings.warn(f"backend='auto' passes over {name!r} for {device_type} tensors: it cannot run in this "
+                      f"process (its package is not installed); the next engine in the registry runs instead "
+                      f"(torch_cutbce.resolved_backend says which)", stacklevel=4)
+
+
+def resolved_backend(hidden: torch.Tensor, backend: str = "auto") -> str:
+    """The engine `cut_bce_with_logits(hidden, ..., backend=backend)` runs (without vocab_parallel=
+    or DTensors, whose local tensors decide the same way): for a user or a log line."""
+    return resolve_backend(backend, hidden)
 
 
 def check_parallel_options(backend: str, mesh, vocab_parallel, vocab_axis: AxisName = None,
@@ -238,8 +291,8 @@ def check_parallel_options(backend: str, mesh, vocab_parallel, vocab_axis: AxisN
 
 
 def check_devices(tensors: dict[str, torch.Tensor | None], backend: str, engine: Engine) -> None:
-    """One device for every tensor, and the one the engine runs on (`Engine.on_xla`: True XLA
-    tensors only, False CPU/CUDA only, None any)."""
+    """One device for every tensor, the one the engine runs on (`Engine.on_xla`: True XLA
+    tensors only, False CPU/CUDA only, None any), and a hidden dtype it computes in (`Engine.dtypes`)."""
     device = tensors["hidden"].device
     for name, t in tensors.items():
         if t is not None and t.device != device:
@@ -253,6 +306,11 @@ def check_devices(tensors: dict[str, torch.Tensor | None], backend: str, engine:
     if engine.on_xla is False and is_xla:
         raise ValueError(f"backend={backend!r} runs on CPU/CUDA tensors; XLA tensors use "
                          f"{_named(lambda e: 'xla' in e.auto_on)}")
+    hidden = tensors["hidden"]
+    if not engine.takes_dtype(hidden.dtype):
+        names = ", ".join(str(d).removeprefix("torch.") for d in engine.dtypes)
+        raise ValueError(f"backend={backend!r} computes in {names}, got hidden.dtype={hidden.dtype}; "
+                         f"backend='native' takes any float dtype")
 
 
 def select(backend: str, vocab_parallel) -> Engine:
