@@ -9,7 +9,7 @@ suite (`conformance.py`). An entry is called as in `_bad_input_entries` (its nam
   logits: N = 0, D = 0, every accepted id dtype (narrow ones with a catalog beyond their range),
   int64 ids beyond int32, a bias of another float dtype, half inputs.
 - Checks of one entry or a few (`ENTRY_CHECKS`: non-tensors, numpy block_v, the module's options,
-  JAX array-likes, ids under jit, Pallas and float64, ...) run only in the classes that name them.
+  JAX array-likes, ids under jit, Pallas and Triton refusing float64, ...) run only in the classes that name them.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ ENTRY_CHECKS = (
     "test_torch_constant_weights_must_not_require_grad", "test_torch_double_backward_of_rows_raises",
     "test_torch_xla_backend_needs_xla_tensors", "test_module_checks_its_options_when_built",
     "test_jax_accepts_array_likes", "test_jax_traced_int64_ids_compare_in_int64",
-    "test_jax_ids_at_or_above_V_under_jit_are_padding", "test_pallas_refuses_float64",
+    "test_jax_ids_at_or_above_V_under_jit_are_padding", "test_pallas_refuses_float64", "test_triton_refuses_float64",
 )
 
 
@@ -330,6 +330,12 @@ class BadInputChecks:
         # x64 on: without it JAX itself turns the float64 inputs into float32, which Pallas takes.
         with enable_x64(True), pytest.raises(
                 TypeError, match=r"impl='pallas' supports float32 and bfloat16 inputs, got float64"):
+            call(self.engine, arguments)
+
+    def test_triton_refuses_float64(self):
+        arguments = {k: v.astype(np.float64) if v.dtype == np.float32 else v for k, v in good_arguments().items()}
+        with pytest.raises(ValueError, match=r"backend='triton' computes in float32, bfloat16, float16, got "
+                                             r"hidden.dtype=torch.float64; backend='native' takes any float dtype"):
             call(self.engine, arguments)
 
 

@@ -25,6 +25,9 @@ FRAMEWORK_MARKS = {"jax": pytest.mark.jax, "xla": pytest.mark.xla, "torch": NEED
 ENGINES = {
     "torch-native": ("torch", pytest.mark.rung1, dict(backend="native", block_v=BLOCK_V)),
     "torch-dense": ("torch", pytest.mark.rung0, dict(backend="dense")),
+    # The Triton kernels in Triton's interpreter (CPU tensors; TRITON_INTERPRET=1 in a process of its
+    # own: test_conformance_triton.py). Their tiles are the kernels' own: block_v is not theirs.
+    "torch-triton": ("torch", pytest.mark.rung2, dict(backend="triton")),
     "xla-blocked": ("xla", pytest.mark.rung3, dict(backend="xla_blocked", block_v=BLOCK_V)),
     "xla-pallas": ("xla", pytest.mark.rung3, dict(backend="xla_pallas", block_v=BLOCK_V)),
     "jax-blocked": ("jax", pytest.mark.rung1, dict(impl="blocked", block_v=BLOCK_V)),

@@ -8,6 +8,7 @@ put in the registry for one test.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import types
 
 import pytest
@@ -21,17 +22,22 @@ from torch_cutbce.route import VocabParallelOptions
 NUM_ITEMS, HIDDEN_SIZE = 37, 6
 
 
-def _on(device_type: str):
-    """What `resolve_backend` reads of `hidden`: its device (any type, no tensor needed)."""
-    return types.SimpleNamespace(device=types.SimpleNamespace(type=device_type))
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+CUDA_ENGINE = "triton" if HAS_TRITON else "native"
+
+
+def _on(device_type: str, dtype=torch.float32):
+    """What `resolve_backend` reads of `hidden`: its device (any type, no tensor needed) and dtype."""
+    return types.SimpleNamespace(device=types.SimpleNamespace(type=device_type), dtype=dtype)
 
 
 def test_the_backends_are_auto_and_the_registry_in_its_order():
     assert torch_cutbce.BACKENDS == ("auto", *engines.ENGINES)
-    assert torch_cutbce.BACKENDS == ("auto", "native", "dense", "xla", "xla_blocked", "xla_pallas", "torch_tpu")
+    assert torch_cutbce.BACKENDS == ("auto", "native", "dense", "triton", "xla", "xla_blocked", "xla_pallas",
+                                     "torch_tpu")
 
 
-@pytest.mark.parametrize("device_type, engine", [("cpu", "native"), ("cuda", "native"), ("meta", "native"),
+@pytest.mark.parametrize("device_type, engine", [("cpu", "native"), ("cuda", CUDA_ENGINE), ("meta", "native"),
                                                  ("mps", "native"), ("xla", "xla"), ("tpu", "torch_tpu")])
 def test_auto_picks_by_device_type(device_type, engine):
     assert engines.resolve_backend("auto", _on(device_type)) == engine
@@ -39,15 +45,17 @@ def test_auto_picks_by_device_type(device_type, engine):
 
 
 def test_an_engine_naming_a_device_type_wins_over_any_device_where_it_is_available(monkeypatch):
-    """As a CUDA engine that needs an optional package would be registered (after native in the
+    """As the Triton engine is registered for CUDA, a made-up engine for a made-up device type (after native in the
     registry: a device type named beats `ANY_DEVICE`, whatever the order)."""
     available = []
     native = engines.ENGINES["native"]
-    fake = dataclasses.replace(native, name="fake", auto_on=("cuda",), available=lambda: bool(available))
+    fake = dataclasses.replace(native, name="fake", auto_on=("npu",), available=lambda: bool(available))
     monkeypatch.setitem(engines.ENGINES, "fake", fake)
-    assert engines.resolve_backend("auto", _on("cuda")) == "native"
+    monkeypatch.setattr(engines, "_said_unavailable", set())
+    with pytest.warns(UserWarning, match="backend='auto' passes over 'fake' for npu tensors"):
+        assert engines.resolve_backend("auto", _on("npu")) == "native"
     available.append(True)
-    assert engines.resolve_backend("auto", _on("cuda")) == "fake"
+    assert engines.resolve_backend("auto", _on("npu")) == "fake"
     assert engines.resolve_backend("auto", _on("cpu")) == "native"
     monkeypatch.setitem(engines.ENGINES, "native", dataclasses.replace(native, auto_on=()))
     with pytest.raises(ValueError, match="backend='auto' finds no engine for tensors on"):
@@ -66,7 +74,7 @@ def test_the_parallel_option_checks_read_the_fields(monkeypatch):
     engines.check_parallel_options("dense", None, vocab_parallel)
     engines.check_parallel_options("dense", mesh, None)
     with pytest.raises(ValueError, match=r"vocab_parallel= needs an engine that takes a slice of the table "
-                                         r"\(backend='auto' or 'dense'\), got backend='native'"):
+                                         r"\(backend='auto' or 'dense' / 'triton'\), got backend='native'"):
         engines.check_parallel_options("native", None, vocab_parallel)
     with pytest.raises(ValueError, match=r"mesh= runs under torch_xla SPMD and needs XLA tensors, got backend='native'"):
         engines.check_parallel_options("native", mesh, None)
@@ -130,3 +138,42 @@ def test_vocab_parallel_wraps_the_engine_chosen_for_the_tensors(one_rank_group, 
     else:
         assert seen == [("rows", start, NUM_ITEMS, NUM_ITEMS - start)]
     assert_close(got, want, dtype="float64", name=f"vocab_parallel {reduction} over a wrapped engine")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (a CUDA build of torch ships it)")
+def test_a_cuda_tensor_runs_the_triton_kernels_by_default():
+    """No GPU needed: fake CUDA tensors (torch's FakeTensorMode) go through the entry; the op that
+    runs is the Triton engine's one-pass loss (float32 / bfloat16 / float16), native's for float64.
+    Without gradients: autograd on a CUDA tensor, even a fake one, initializes the CUDA driver."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpsCalled(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(str(func.name()))
+            return func(*args, **(kwargs or {}))
+
+    with FakeTensorMode():
+        for dtype, op in ((torch.float32, "torch_cutbce::triton_loss"), (torch.bfloat16, "torch_cutbce::triton_loss"),
+                          (torch.float16, "torch_cutbce::triton_loss"), (torch.float64, "torch_cutbce::loss")):
+            hidden = torch.empty(5, HIDDEN_SIZE, device="cuda", dtype=dtype)
+            items = torch.empty(NUM_ITEMS, HIDDEN_SIZE, device="cuda", dtype=dtype)
+            targets = torch.zeros(5, 2, dtype=torch.long, device="cuda")
+            assert torch_cutbce.resolved_backend(hidden) == ("native" if dtype == torch.float64 else "triton")
+            with OpsCalled() as called:
+                assert cut_bce_with_logits(hidden, items, targets).shape == ()
+            assert op in called.names, sorted(called.names)
+
+
+def test_auto_says_when_the_engine_for_the_device_cannot_run(monkeypatch):
+    """triton missing: 'auto' on CUDA runs the compiled tiles, says so once, and `resolved_backend` names them."""
+    monkeypatch.setitem(engines.ENGINES, "triton", dataclasses.replace(engines.ENGINES["triton"],
+                                                                       available=lambda: False))
+    monkeypatch.setattr(engines, "_said_unavailable", set())
+    with pytest.warns(UserWarning, match="backend='auto' passes over 'triton' for cuda tensors"):
+        assert engines.resolve_backend("auto", _on("cuda")) == "native"
+    assert torch_cutbce.resolved_backend(_on("cuda")) == "native"  # said once

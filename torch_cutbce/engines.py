@@ -13,6 +13,9 @@ registry's names.
     native          the chunked custom ops (native/ops.py), CPU / CUDA; 'auto' on any device type
                     no other engine claims; takes vocab_parallel=
     dense           the materializing reference (torch_cutbce.reference), any device
+    triton          fused Triton kernels (triton/, imported on first use): CUDA, or CPU tensors in
+                    Triton's interpreter; 'auto' on CUDA for float32 / bfloat16 / float16 when
+                    triton imports; takes vocab_parallel=
     xla, xla_blocked, xla_pallas
                     the torch_xla bridge (jax_bridge/xla.py, imported on first use): the JAX engine
                     `impl` ('auto': Pallas on a TPU), on one device or under an SPMD mesh; 'xla' is

@@ -1,11 +1,16 @@
 """Triton's interpreter (`TRITON_INTERPRET=1`): CPU tensors through the same kernels, for checking them
 without a GPU. Read when `triton` is first imported; the route into it is `engines.py`'s.
 
-`make_compatible()` fixes one incompatibility of triton 3.5's interpreter (the one torch 2.9
-ships) with numpy >= 2.4: a loop bound such as `range(0, V, BLOCK_V)` is turned into a Python int
-by `int()` of a one-element array, which numpy 2.4 refuses ("only 0-dimensional arrays can be
-converted to Python scalars"; triton-lang/triton#9171, fixed upstream by #9172 with the same
-`squeeze()` as here). Only that interpreter's own attribute is replaced, only while interpreting.
+`make_compatible()` fixes two faults of triton 3.5's interpreter (the one torch 2.9 ships), only
+while interpreting, only in the interpreter's own code:
+- with numpy >= 2.4 a loop bound such as `range(0, V, BLOCK_V)` is turned into a Python int by
+  `int()` of a one-element array, which numpy 2.4 refuses ("only 0-dimensional arrays can be
+  converted to Python scalars"; triton-lang/triton#9171, fixed upstream by #9172 with the same
+  `squeeze()` as here);
+- `tl.dot` of bfloat16 operands multiplies their bit patterns (numpy has no bfloat16: the
+  interpreter holds them as 16-bit integers), 5e10 off on a [16, 32] product. The fix widens them to
+  float32 first, which is the product the GPU computes: a product of two bfloat16 numbers is exact
+  in float32, and the tensor cores accumulate in float32.
 """
 
 from __future__ import annotations
@@ -25,11 +30,30 @@ def make_compatible() -> None:
     from triton.runtime import interpreter
 
     patch_tensor = interpreter._patch_lang_tensor
-    if len(inspect.signature(patch_tensor).parameters) != 1:  # a newer interpreter: fixed there
-        return
+    if len(inspect.signature(patch_tensor).parameters) == 1:  # triton 3.5's; newer ones are fixed
 
-    def patched(tensor):
-        patch_tensor(tensor)
-        tensor.__index__ = lambda self: int(self.handle.data.squeeze())
+        def patched(tensor):
+            patch_tensor(tensor)
+            tensor.__index__ = lambda self: int(self.handle.data.squeeze())
 
-    interpreter._patch_lang_tensor = patched
+        interpreter._patch_lang_tensor = patched
+    _widen_bfloat16_dots(interpreter)
+
+
+def _widen_bfloat16_dots(interpreter) -> None:
+    import numpy as np
+    import triton.language as tl
+
+    builder = interpreter.InterpreterBuilder
+    create_dot = builder.create_dot
+
+    def widened(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        data = interpreter._convert_float(handle.data, tl.bfloat16, tl.float32, None).view(np.float32)
+        return interpreter.TensorHandle(data, tl.float32)
+
+    def create_dot_widened(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return create_dot(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
+
+    builder.create_dot = create_dot_widened

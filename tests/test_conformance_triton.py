@@ -1,0 +1,66 @@
+"""The conformance suite (`conformance.EngineConformance`) on the Triton kernels, run by Triton's
+interpreter on CPU tensors. The interpreter is chosen when triton is first imported, so this file runs
+in a pytest process of its own with `TRITON_INTERPRET=1` (`ci/test.sh`); elsewhere it skips.
+Compiled for sm_80 / sm_90: test_triton_compile.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from conformance import CheckFamilies, EngineConformance, marks
+from conformance_oracle import OracleChecks
+from conformance_properties import PropertyRun
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("Triton's interpreter: run with TRITON_INTERPRET=1 (ci/test.sh does)", allow_module_level=True)
+pytest.importorskip("triton")
+
+
+class TestTriton(EngineConformance):
+    pytestmark = marks("torch-triton")
+    engine = "torch-triton"
+    bad_input_entry_checks = ("test_torch_rejects_non_tensors", "test_unknown_backend",
+                              "test_torch_constant_weights_must_not_require_grad",
+                              "test_torch_double_backward_of_rows_raises", "test_triton_refuses_float64")
+    option_dtype = "float32"  # float64 is refused (above)
+    # The interpreter runs a program at a time: small shapes, and no V = 2**22 example (its wide sums:
+    # test_triton_interpreter.py, over 2,048 tiles).
+    property_runs = (PropertyRun("exact_as_dense", 12, shrink=False, dtypes=("float32", "bfloat16", "float16"),
+                                 max_n=40, max_v=700, examples=("confident", "refused")),
+                     PropertyRun("refuses_bad_input", 8, shrink=False, dtypes=("float32", "bfloat16")))
+
+
+class TestTritonHalf(CheckFamilies, OracleChecks):
+    """bfloat16 against the dense reference run in bfloat16 (CCE's rule): the oracle family. float16:
+    the property run's examples above, against the float64 oracle."""
+
+    pytestmark = marks("torch-triton")
+    engine = "torch-triton"
+    dtypes = ("bfloat16",)
+    reductions = ("none", "sum")
+    row_losses = ()
+
+
+def test_a_wrong_kernel_fails_the_suite(monkeypatch):
+    """The suite can fail: kernels that score every logit as a negative (the labels dropped, as a
+    kernel that forgot its positives would) fail the oracle check and the confident rows."""
+    import triton
+    import triton.language as tl
+
+    from torch_cutbce.triton import kernels, tile_math
+
+    @triton.jit
+    def labels_dropped(z, y, gamma, fraction, c, positive_scale, negative_scale, FOCAL: tl.constexpr,
+                       POWER: tl.constexpr, FRACTION: tl.constexpr, SMOOTHING: tl.constexpr,
+                       BALANCED: tl.constexpr):
+        return tile_math.labelled_terms(z, y & (z != z), gamma, fraction, c, positive_scale, negative_scale,
+                                        FOCAL, POWER, FRACTION, SMOOTHING, BALANCED)
+
+    monkeypatch.setattr(kernels, "labelled_terms", labels_dropped)
+    suite = TestTriton()
+    with pytest.raises(AssertionError):
+        suite.test_matches_the_float64_oracle("plain", "float32", "none")
+    with pytest.raises(AssertionError):
+        suite.test_confident_rows_row_by_row(("plain", "float32"))
