@@ -8,6 +8,7 @@
 #   ci/torch_tpu.sh   the TorchTPU bridge's checks: torch 2.13, torch_tpu, jax 0.10.2, libtpu (.venv-tpu).
 #   ci/replay.sh      the RePlay integration against replay-rec 0.22 (torch 2.13 CPU, lightning; .venv-replay).
 # The full run starts with the linter (ruff, configured in pyproject.toml).
+# Then the Triton kernels in Triton's interpreter (TRITON_INTERPRET=1, a process of its own).
 # Arguments go to pytest and run only the main suite, in one process:
 #   bash ci/test.sh tests/test_torch_native.py -k mean
 # The full run spreads whole test files over the CPU cores (pytest-xdist, `--dist loadfile`: a file's
@@ -22,6 +23,10 @@ if [ "$#" -gt 0 ]; then
 fi
 .venv/bin/ruff check .  # the linter first ([tool.ruff] in pyproject.toml): seconds, and it names the line
 "${pytest[@]}" -n "${CUTBCE_TEST_WORKERS:-auto}" --dist loadfile tests
+# The Triton kernels in Triton's interpreter (CPU tensors): a process of its own, since the
+# interpreter is chosen when triton is first imported (in the run above these files skip).
+TRITON_INTERPRET=1 "${pytest[@]}" -n "${CUTBCE_TEST_WORKERS:-auto}" --dist loadfile \
+  tests/test_conformance_triton.py tests/test_triton_interpreter.py
 time bash ci/core_only.sh
 time bash ci/jax_newest.sh
 time bash ci/torch_tpu.sh

@@ -15,7 +15,10 @@ from conformance_properties import PropertyRun
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("Triton's interpreter: run with TRITON_INTERPRET=1 (ci/test.sh does)", allow_module_level=True)
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402  (after the skips: the interpreter must be chosen first)
+
+from torch_cutbce.triton import kernels, tile_math  # noqa: E402
 
 
 class TestTriton(EngineConformance):
@@ -43,22 +46,19 @@ class TestTritonHalf(CheckFamilies, OracleChecks):
     row_losses = ()
 
 
+
+@triton.jit
+def _labels_dropped(z, y, gamma, fraction, c, positive_scale, negative_scale, FOCAL: tl.constexpr,
+                    POWER: tl.constexpr, FRACTION: tl.constexpr, SMOOTHING: tl.constexpr, BALANCED: tl.constexpr):
+    """`tile_math.labelled_terms` with every label false: a kernel that forgot its positives."""
+    return tile_math.labelled_terms(z, y & (z != z), gamma, fraction, c, positive_scale, negative_scale,
+                                    FOCAL, POWER, FRACTION, SMOOTHING, BALANCED)
+
+
 def test_a_wrong_kernel_fails_the_suite(monkeypatch):
-    """The suite can fail: kernels that score every logit as a negative (the labels dropped, as a
-    kernel that forgot its positives would) fail the oracle check and the confident rows."""
-    import triton
-    import triton.language as tl
-
-    from torch_cutbce.triton import kernels, tile_math
-
-    @triton.jit
-    def labels_dropped(z, y, gamma, fraction, c, positive_scale, negative_scale, FOCAL: tl.constexpr,
-                       POWER: tl.constexpr, FRACTION: tl.constexpr, SMOOTHING: tl.constexpr,
-                       BALANCED: tl.constexpr):
-        return tile_math.labelled_terms(z, y & (z != z), gamma, fraction, c, positive_scale, negative_scale,
-                                        FOCAL, POWER, FRACTION, SMOOTHING, BALANCED)
-
-    monkeypatch.setattr(kernels, "labelled_terms", labels_dropped)
+    """The suite can fail: kernels that score every logit as a negative fail the oracle check and the
+    confident rows."""
+    monkeypatch.setattr(kernels, "labelled_terms", _labels_dropped)
     suite = TestTriton()
     with pytest.raises(AssertionError):
         suite.test_matches_the_float64_oracle("plain", "float32", "none")

@@ -3,7 +3,7 @@ the same process): the paths its small shapes do not reach and the entry's promi
 
 - hidden sizes above a program's block (`launch.MAX_BLOCK_D`: several column programs, the logits
   summed over D in blocks), D = 0, N = 0, one item;
-- sums over 2,048 tiles of equal terms (a running float32 sum's worst case) against their closed form;
+- sums over 1,024 tiles of equal terms (a running float32 sum's worst case) against their closed form;
 - `torch.compile(step, fullgraph=True)`: one graph (the custom ops), the eager numbers;
 - the same bits on every run, and under `torch.use_deterministic_algorithms(True)`;
 - `torch.autocast`, and `vocab_parallel=` (this rank's slice of the table, ids outside it padding).
@@ -51,6 +51,9 @@ def _rows_and_grads(backend, hidden, items, targets, bias, upstream, dtype=None,
 
 
 def _assert_relative(got, want, tol, name):
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)}, want {tuple(want.shape)}"
+    if want.numel() == 0:
+        return
     scale = want.abs().max().clamp_min(1e-30)
     error = ((got.double() - want.double()).abs().max() / scale).item()
     assert error <= tol, f"{name}: {error:.2e} relative, bound {tol:.0e}"
@@ -78,10 +81,10 @@ def test_no_positions_and_one_item():
 
 
 def test_sums_over_thousands_of_tiles_keep_their_closed_form():
-    """V = 2**16 equal logits (2,048 tiles of 32): each row `V softplus(z)` and `d_hidden = V sigmoid(z) w`
-    within float32's tolerance; a running float32 sum adding the tiles' equal parts drifts by up to
-    2,048 roundings (1.2e-4)."""
-    num_items, z = 2**16, -0.7
+    """V = 2**15 equal logits (1,024 tiles of 32): each row `V softplus(z)` and `d_hidden = V sigmoid(z) w`
+    within 2e-6 of their closed form; a running float32 sum adding the tiles' equal parts drifts by up
+    to 1,024 roundings (6e-5)."""
+    num_items, z = 2**15, -0.7
     hidden = torch.ones(2, 1)
     items = torch.full((num_items, 1), z)
     targets = torch.full((2, 1), -1)
@@ -116,8 +119,11 @@ def test_the_same_bits_every_run_and_under_deterministic_algorithms():
     inputs = _inputs(33, 150, 24, seed=5)
     upstream = torch.rand(33)
     first = _rows_and_grads("triton", *inputs, upstream, **LOSS)
-    with torch.use_deterministic_algorithms(True):
+    torch.use_deterministic_algorithms(True)
+    try:
         again = _rows_and_grads("triton", *inputs, upstream, **LOSS)
+    finally:
+        torch.use_deterministic_algorithms(False)
     for a, b in zip(first, again):
         assert torch.equal(a, b)
 

@@ -3,7 +3,7 @@
 `cut_bce_with_logits(..., vocab_parallel=VocabParallelOptions(...))`, for CPU/CUDA tensors and
 any torch.distributed backend (gloo, NCCL), as Apple CCE's `VocabParallelOptions`. A layout over an
 engine, not an engine: `engines.select` wraps the engine chosen for the tensors (one that
-`takes_vocab_parallel`: native) with `engines.over_ranks`, which calls the functions here. Each
+`takes_vocab_parallel`: native, triton) with `engines.over_ranks`, which calls the functions here. Each
 rank runs that engine on its slice (`options.offset` / `id_limit` set by the entry), keeping the
 ids in its slice as positives and the others as padding, and the rows are summed over the ranks:
 Megatron's conjugate regions, "copy" where the hidden states enter (all_reduce of `d_hidden` in
