@@ -9,6 +9,7 @@ of two providers in fresh subprocesses, so every code path of the full run is ex
 from __future__ import annotations
 
 import csv
+import importlib.util
 import os
 import pathlib
 import shutil
@@ -115,3 +116,38 @@ def test_the_ablations_before_commits_hold_their_engines(commit, modules, tmp_pa
     at_commit.materialise(commit, tmp_path)
     for module in modules:
         assert (tmp_path / module).is_file(), module
+
+
+def test_cuda_loss_reference_mode(tmp_path):
+    """benchmarks/cuda_loss.py without a GPU: the agreement check (triton in the interpreter), CPU rows
+    of dense, native and the floor, its skips, and the plan of the default H100 run (dense skipped at
+    V = 2**20 by its estimate, the CutBCE engines run)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU"))
+    args = [sys.executable, BENCHMARKS / "cuda_loss.py", "--device", "cpu", "--small", "--v", "1024", "--rounds", "2",
+            "--out", tmp_path / "cuda_loss.csv"]
+    done = subprocess.run(list(map(str, args)), capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    has_triton = importlib.util.find_spec("triton") is not None
+    assert ("check triton  vs float64" if has_triton else "triton is not installed") in done.stdout
+    assert "FAILED" not in done.stdout and "targets:" in done.stdout
+    with (tmp_path / "cuda_loss.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert {(r["dtype"], r["contender"]) for r in rows} == {(d, c) for d in ("bfloat16", "float32")
+                                                            for c in ("dense_eager", "native", "triton", "mm_floor",
+                                                                      "torch_lce")}
+    for r in rows:
+        assert r["git_sha"] and r["device"] and r["torch"] and "cuda_loss.py" in r["command"], r
+        if r["contender"] in ("dense_eager", "native", "mm_floor"):
+            assert r["status"] == "ok" and float(r["median_ms"]) > 0 and float(r["x_floor"]) > 0, r
+        elif r["contender"] == "triton":
+            assert r["status"] == "skipped" and "CUDA only" in r["note"], r
+    assert (tmp_path / "cuda_loss.jsonl").read_text().count("\n") == len(rows)
+    plan = _run([BENCHMARKS / "cuda_loss.py", "--plan", "--memory-gib", "78.5"])
+    lines = [line for line in plan.splitlines() if "D=128" in line]
+    assert len(lines) == 24, plan
+    for line in lines:
+        big_dense = "V=1048576" in line and "dense" in line
+        if big_dense:
+            assert "skipped (needs ~" in line, line
+        elif "triton" in line or "native" in line or "mm_floor" in line:
+            assert line.endswith("runs"), line
