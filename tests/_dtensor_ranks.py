@@ -55,6 +55,7 @@ CASES = {  # name: (table layout, positions layout, reduction, dtype, Loss)
     "hsdp-mean": ("hsdp", "plain", "mean", "float32", PLAIN),  # 4 ranks: 2 replicas x 2 shards
     "plain-constants-sum": ("shard", "plain", "sum", "float32", PLAIN),  # class/pos weight plain [V]
     "dense-backend-none": ("shard", "plain", "none", "float32", PLAIN),  # backend='dense' per rank
+    "triton-backend-mean": ("shard", "plain", "mean", "float32", SMOOTHED),  # the Triton kernels per rank
     "module-mean": ("shard", "plain", "mean", "float32", SMOOTHED),  # CutBCEWithLogitsLoss
 }
 
@@ -112,7 +113,7 @@ def run_case(rank: int, world: int, name: str, mesh) -> dict:
             leaves["hidden"], leaves["item_weight"], pos["targets"], leaves["bias"], weight=leaves["weight"],
             class_weight=tab["class_weight"], pos_weight=tab["pos_weight"], reduction=reduction,
             return_metrics=True, block_v=16, **loss.arguments(),
-            backend="dense" if name.startswith("dense-backend") else "auto")
+            backend=name.split("-backend")[0] if "-backend" in name else "auto")
     g = upstream(source, reduction).to(loss.dtype)
     if isinstance(loss, DTensor):
         raise AssertionError("the loss must be this rank's plain tensor")
