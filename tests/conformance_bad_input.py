@@ -108,7 +108,8 @@ class BadInputChecks:
 
     def __init_subclass__(cls, **kwargs):
         """Sets each check the class does not run to None (pytest collects no test that is None): an
-        entry's own check runs in no other class, and leaves no skip there."""
+        entry's own check runs in no other class, and leaves no skip there. A check the class runs
+        and defines itself (calling the family's through `super()`) is kept."""
         super().__init_subclass__(**kwargs)
         unknown = set(cls.bad_input_entry_checks) - set(ENTRY_CHECKS)
         if unknown:
@@ -116,7 +117,8 @@ class BadInputChecks:
         checks = [name for name in vars(BadInputChecks) if name.startswith("test_")]
         for name in checks:
             runs = name in cls.bad_input_entry_checks if name in ENTRY_CHECKS else cls.bad_input_every_entry
-            setattr(cls, name, vars(BadInputChecks)[name] if runs else None)
+            if not (runs and name in vars(cls)):
+                setattr(cls, name, vars(BadInputChecks)[name] if runs else None)
 
     def parametrize(self, metafunc):
         if "bad_input_case" in metafunc.fixturenames:

@@ -12,4 +12,5 @@ from torch_cutbce.chunked_ops import ChunkedOps
 from torch_cutbce.native import loop
 
 OPS = ChunkedOps("", loop, keeps_logits=True)
-rows, loss = OPS.rows, OPS.loss
+rows = OPS.rows
+loss = OPS.loss

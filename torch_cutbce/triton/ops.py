@@ -13,4 +13,5 @@ from torch_cutbce.chunked_ops import ChunkedOps
 from torch_cutbce.triton import passes
 
 OPS = ChunkedOps("triton_", passes, keeps_logits=False)
-rows, loss = OPS.rows, OPS.loss
+rows = OPS.rows
+loss = OPS.loss
