@@ -6,7 +6,7 @@
 and float32 `bias`, `class_weight`, `pos_weight` `[V]` and row gradient `g [N]` (None where absent),
 and return float32 results.
 
-The block sizes are fixed (`ROW_BLOCKS`, `ITEM_BLOCKS`): no autotuning, since what is verified
+The block sizes are fixed per pass and dtype (`ROW_BLOCKS`, `ITEM_BLOCKS`, `blocks_for`): no autotuning, since what is verified
 without a GPU (the interpreter's parity, the sm_80 / sm_90 compiles and their register and
 shared-memory budgets, tests/test_triton_compile.py) must be what runs.
 
@@ -64,8 +64,38 @@ class Blocks:
         return min(self.max_block_d, max(16, triton.next_power_of_2(hidden_size)))
 
 
-ROW_BLOCKS = Blocks()
-ITEM_BLOCKS = Blocks()
+# The shipped configurations: pass -> input dtype -> (Blocks for D <= MAX_BLOCK_D, whose hidden block
+# stays in registers for the whole walk; Blocks for wider D, whose logits are recomputed per hidden
+# block). Each is the largest tile (then the widest hidden block, then the fewest warps) that ptxas
+# compiles without spilling for sm_80 and sm_90, for every Loss form and every optional input
+# (`aot.py` prints the numbers; tests/test_triton_compile.py checks them).
+ROW_PASSES = ("rows", "grad", "rows_grad")  # rows and counts; d_hidden alone; all three in one pass
+_B = Blocks
+_HALF = (torch.bfloat16, torch.float16)  # the same tiles for both: the same code, 16-bit operands
+ROW_BLOCKS = {
+    "rows": {torch.float32: (_B(64, 64, 128, 16), _B(32, 64, 128, 8)),
+             **dict.fromkeys(_HALF, (_B(64, 32, 128, 4), _B(64, 32, 128, 8)))},
+    "grad": {torch.float32: (_B(32, 64, 128, 16), _B(16, 32, 64, 4)),
+             **dict.fromkeys(_HALF, (_B(32, 64, 128, 8), _B(64, 32, 64, 8)))},
+    "rows_grad": {torch.float32: (_B(32, 16, 128, 4), _B(32, 32, 64, 8)),
+                  **dict.fromkeys(_HALF, (_B(32, 16, 128, 8), _B(32, 64, 64, 8)))},
+}
+ITEM_BLOCKS = {torch.float32: (_B(64, 32, 128, 16), _B(32, 16, 128, 8)),
+               **dict.fromkeys(_HALF, (_B(32, 32, 128, 4), _B(64, 32, 64, 8)))}
+PASSES = (*ROW_PASSES, "items")
+
+
+def row_pass(with_rows: bool, with_counts: bool, with_grad: bool) -> str:
+    """The `ROW_BLOCKS` entry of a `rows_pass` call (rows or counts alone take the forward's)."""
+    if not with_grad:
+        return "rows"
+    return "rows_grad" if with_rows or with_counts else "grad"
+
+
+def blocks_for(pass_name: str, dtype: torch.dtype, hidden_size: int) -> Blocks:
+    """The shipped `Blocks` of a pass (`PASSES`) for inputs of `dtype` and hidden size D."""
+    narrow, wide = (ITEM_BLOCKS if pass_name == "items" else ROW_BLOCKS[pass_name])[dtype]
+    return narrow if hidden_size <= narrow.max_block_d else wide
 
 
 def precision(dtype: torch.dtype) -> str:
@@ -88,47 +118,69 @@ def _or_dummy(x: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     return like.new_empty((0,), dtype=torch.float32) if x is None else x
 
 
-def _common(hidden, item_weight, ids, bias, class_weight, pos_weight, loss, blocks):
+def kernel_constexprs(dtype: torch.dtype, loss: Loss, blocks: Blocks, hidden_size: int, *, has_bias: bool,
+                      has_class_weight: bool, has_pos_weight: bool, outputs: dict[str, bool]) -> dict:
+    """Every constexpr of one kernel launch: which optional inputs are read, which outputs are written
+    (`outputs`: `row_outputs` / `item_outputs`), the `Loss`'s form, the tiles and the product precision.
+    The launchers and the ahead-of-time compiles (`aot.py`) both build their flags here."""
+    _, form = loss_constants(loss)
+    block_d = blocks.block_d(hidden_size)
+    return dict(HAS_BIAS=has_bias, HAS_CW=has_class_weight, HAS_PW=has_pos_weight, **outputs, **form,
+                BLOCK_N=blocks.block_n, BLOCK_V=blocks.block_v, BLOCK_D=block_d, ONE_CHUNK=hidden_size <= block_d,
+                PRECISION=precision(dtype))
+
+
+def row_outputs(with_rows: bool, with_counts: bool, with_grad: bool) -> dict[str, bool]:
+    return dict(WITH_ROWS=with_rows, WITH_COUNTS=with_counts, WITH_GRAD=with_grad)
+
+
+def item_outputs(with_items: bool, with_bias: bool) -> dict[str, bool]:
+    return dict(WITH_ITEMS=with_items, WITH_BIAS_GRAD=with_bias)
+
+
+def _common(hidden, item_weight, ids, bias, class_weight, pos_weight, loss, blocks, outputs):
     if interpreter.interpreting():
         interpreter.make_compatible()
-    scalars, constexprs = loss_constants(loss)
+    scalars, _ = loss_constants(loss)
     dummy = lambda x: _or_dummy(x, hidden)  # noqa: E731
     pointers = (hidden, item_weight, dummy(bias), dummy(class_weight), dummy(pos_weight), ids)
     sizes = (hidden.shape[0], item_weight.shape[0], hidden.shape[1], ids.shape[1])
-    flags = dict(HAS_BIAS=bias is not None, HAS_CW=class_weight is not None, HAS_PW=pos_weight is not None,
-                 **constexprs, BLOCK_N=blocks.block_n, BLOCK_V=blocks.block_v,
-                 BLOCK_D=blocks.block_d(hidden.shape[1]), ONE_CHUNK=hidden.shape[1] <= blocks.block_d(hidden.shape[1]),
-                 PRECISION=precision(hidden.dtype),
-                 num_warps=blocks.num_warps, num_stages=blocks.num_stages)
-    return pointers, sizes, scalars, flags
+    flags = kernel_constexprs(hidden.dtype, loss, blocks, hidden.shape[1], has_bias=bias is not None,
+                              has_class_weight=class_weight is not None, has_pos_weight=pos_weight is not None,
+                              outputs=outputs)
+    return pointers, sizes, scalars, dict(flags, num_warps=blocks.num_warps, num_stages=blocks.num_stages)
 
 
 def rows_pass(hidden, item_weight, ids, bias, class_weight, pos_weight, g, loss: Loss, *, with_rows: bool,
-              with_counts: bool, blocks: Blocks = ROW_BLOCKS):
+              with_counts: bool, blocks: Blocks | None = None):
     """`(rows [N] or None, counts [2, N] int32 or None, d_hidden [N, D] or None)`: `d_hidden` when
-    `g` is given."""
+    `g` is given. `blocks` defaults to the pass's shipped one (`blocks_for`)."""
     n, d = hidden.shape
-    pointers, sizes, scalars, flags = _common(hidden, item_weight, ids, bias, class_weight, pos_weight, loss, blocks)
+    outputs = row_outputs(with_rows, with_counts, g is not None)
+    blocks = blocks or blocks_for(row_pass(with_rows, with_counts, g is not None), hidden.dtype, d)
+    pointers, sizes, scalars, flags = _common(hidden, item_weight, ids, bias, class_weight, pos_weight, loss, blocks,
+                                              outputs)
     f32 = dict(dtype=torch.float32, device=hidden.device)
     rows = torch.empty(n if with_rows else 0, **f32)
     counts = torch.empty((2, n) if with_counts else (0,), dtype=torch.int32, device=hidden.device)
     d_hidden = torch.empty((n, d) if g is not None else (0,), **f32)
     columns = max(1, triton.cdiv(d, flags["BLOCK_D"])) if g is not None else 1  # D = 0: one column
     grid = (triton.cdiv(n, blocks.block_n), columns)
-    kernels.row_kernel[grid](*pointers, _or_dummy(g, hidden), rows, counts, d_hidden, *sizes, *scalars,
-                             WITH_ROWS=with_rows, WITH_COUNTS=with_counts, WITH_GRAD=g is not None, **flags)
+    kernels.row_kernel[grid](*pointers, _or_dummy(g, hidden), rows, counts, d_hidden, *sizes, *scalars, **flags)
     return (rows if with_rows else None, counts if with_counts else None, d_hidden if g is not None else None)
 
 
 def items_pass(hidden, item_weight, ids, bias, class_weight, pos_weight, g, loss: Loss, *, with_items: bool,
-               with_bias: bool, blocks: Blocks = ITEM_BLOCKS):
-    """`(d_item_weight [V, D] or None, d_bias [V] or None)` for the row gradient `g [N]`."""
+               with_bias: bool, blocks: Blocks | None = None):
+    """`(d_item_weight [V, D] or None, d_bias [V] or None)` for the row gradient `g [N]`; `blocks`
+    defaults to the shipped one (`blocks_for`)."""
     v, d = item_weight.shape
-    pointers, sizes, scalars, flags = _common(hidden, item_weight, ids, bias, class_weight, pos_weight, loss, blocks)
+    blocks = blocks or blocks_for("items", hidden.dtype, d)
+    pointers, sizes, scalars, flags = _common(hidden, item_weight, ids, bias, class_weight, pos_weight, loss, blocks,
+                                              item_outputs(with_items, with_bias))
     f32 = dict(dtype=torch.float32, device=hidden.device)
     d_items = torch.empty((v, d) if with_items else (0,), **f32)
     d_bias = torch.empty(v if with_bias else 0, **f32)
     grid = (triton.cdiv(v, blocks.block_v), max(1, triton.cdiv(d, flags["BLOCK_D"])) if with_items else 1)
-    kernels.item_kernel[grid](*pointers, g, d_items, d_bias, *sizes, *scalars, WITH_ITEMS=with_items,
-                              WITH_BIAS_GRAD=with_bias, **flags)
+    kernels.item_kernel[grid](*pointers, g, d_items, d_bias, *sizes, *scalars, **flags)
     return d_items if with_items else None, d_bias if with_bias else None

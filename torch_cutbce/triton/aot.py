@@ -1,0 +1,222 @@
+"""Ahead-of-time compiles of the Triton kernels for CUDA targets, without a GPU or a driver.
+
+What a launch would run is built here from the launcher's own flags (`launch.kernel_constexprs`):
+`compile_case` turns a `Case` (pass, dtype, `Loss`, hidden size, target, `Blocks`, optional inputs)
+into Triton's `ASTSource` and compiles it for `GPUTarget("cuda", capability, 32)`; `usage` runs the
+ptxas bundled with Triton (`-v`) on its PTX for the registers and spill bytes, and reads the shared
+memory Triton reserves (`metadata.shared`); `check` compares them with the budget: no spill bytes
+(`ALLOWED_SPILL_BYTES` holds none: every shipped configuration compiles spill-free), shared memory
+within the target's per-block limit. `python -m torch_cutbce.triton.aot` prints the table of the
+shipped configurations (tests/test_triton_compile.py checks every one).
+
+Shared memory per block, NVIDIA's CUDA C++ Programming Guide, "Compute Capabilities", technical
+specifications table (maximum shared memory per thread block, opt-in): 163 KiB = 166,912 bytes on
+compute capability 8.0 (A100) and 227 KiB = 232,448 bytes on 9.0 (H100, H200). Capability 9.0
+compiles for `sm_90a`, as Triton does.
+
+A failure names the pass and its kernel, the dtype, the `Loss` form, the hidden size, the `Blocks`,
+the target and what failed: `ResourceError`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import multiprocessing
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from cutbce_common.focal import Focal
+from cutbce_common.loss import Loss
+from torch_cutbce.triton import kernels, launch
+
+CAPABILITIES = (80, 90)
+GPU_NAMES = {80: "sm_80", 90: "sm_90a"}
+SHARED_LIMIT_BYTES = {80: 166_912, 90: 232_448}  # module docstring
+# (pass, dtype) -> spill bytes a shipped configuration may store (none: the table is empty).
+ALLOWED_SPILL_BYTES: dict[tuple[str, torch.dtype], int] = {}
+TYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+# The hidden sizes a shipped configuration is checked at: one block of 64 and of 128 columns (the
+# hidden block held for the whole walk), and 256 (two blocks: the logits recomputed per block).
+HIDDEN_SIZES = (64, 128, 256)
+TABLE_LOSS = Loss(Focal(1.5, 0.3, True), 0.2)  # focal with a fractional gamma, balanced, smoothed: the most code
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One compile: a pass (`launch.PASSES`) of its kernel for inputs of `dtype`.
+
+    `blocks` None is the shipped `launch.blocks_for(pass_name, dtype, hidden_size)`; the optional inputs (bias,
+    class_weight, pos_weight) are all present by default, the costliest form of each kernel.
+    """
+
+    pass_name: str
+    dtype: torch.dtype
+    loss: Loss
+    hidden_size: int
+    capability: int
+    blocks: launch.Blocks | None = None
+    has_bias: bool = True
+    has_class_weight: bool = True
+    has_pos_weight: bool = True
+
+    @property
+    def kernel(self):
+        return kernels.item_kernel if self.pass_name == "items" else kernels.row_kernel
+
+    @property
+    def launch_blocks(self) -> launch.Blocks:
+        return self.blocks or launch.blocks_for(self.pass_name, self.dtype, self.hidden_size)
+
+    def outputs(self) -> dict[str, bool]:
+        if self.pass_name == "items":
+            return launch.item_outputs(True, True)
+        return launch.row_outputs(self.pass_name != "grad", self.pass_name != "grad", self.pass_name != "rows")
+
+    def constexprs(self) -> dict:
+        return launch.kernel_constexprs(self.dtype, self.loss, self.launch_blocks, self.hidden_size,
+                                        has_bias=self.has_bias, has_class_weight=self.has_class_weight,
+                                        has_pos_weight=self.has_pos_weight, outputs=self.outputs())
+
+    def describe(self) -> str:
+        b = self.launch_blocks
+        optional = [name for name, present in (("bias", self.has_bias), ("class_weight", self.has_class_weight),
+                                               ("pos_weight", self.has_pos_weight)) if present]
+        return (f"{self.kernel.fn.__name__} pass={self.pass_name} dtype={TYPE_NAMES[self.dtype]} "
+                f"form={tuple(self.loss.form())} D={self.hidden_size} block_n={b.block_n} block_v={b.block_v} "
+                f"BLOCK_D={b.block_d(self.hidden_size)} num_warps={b.num_warps} num_stages={b.num_stages} "
+                f"optional={'+'.join(optional) or 'none'} arch={GPU_NAMES[self.capability]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Usage:
+    """What one compiled kernel takes per program (thread block)."""
+
+    registers: int  # per thread
+    spill_store_bytes: int
+    spill_load_bytes: int
+    shared_bytes: int  # Triton's `metadata.shared`
+
+
+class ResourceError(RuntimeError):
+    """A configuration that spills or overflows the target's shared memory (the message says which)."""
+
+
+def signature(kernel, dtype: torch.dtype, constexprs: dict) -> dict[str, str]:
+    """Triton's signature of `kernel`: the inputs' pointers in `dtype`, ids and counts int32, every
+    other pointer float32, sizes int32, the `Loss`'s scalars float32."""
+    types = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            types[name] = "constexpr"
+        elif name in ("h_ptr", "w_ptr"):
+            types[name] = "*" + TYPE_NAMES[dtype]
+        elif name in ("ids_ptr", "counts_ptr"):
+            types[name] = "*i32"
+        elif name.endswith("_ptr"):
+            types[name] = "*fp32"
+        elif name in ("N", "V", "D", "L"):
+            types[name] = "i32"
+        else:
+            types[name] = "fp32"
+    return types
+
+
+def compile_case(case: Case):
+    """Triton's `CompiledKernel` of `case` (its PTX in `.asm["ptx"]`); no device is touched."""
+    constexprs = case.constexprs()
+    source = ASTSource(fn=case.kernel, signature=signature(case.kernel, case.dtype, constexprs), constexprs=constexprs)
+    blocks = case.launch_blocks
+    return triton.compile(source, target=GPUTarget("cuda", case.capability, 32),
+                          options={"num_warps": blocks.num_warps, "num_stages": blocks.num_stages})
+
+
+def ptxas_path() -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+def usage(compiled, capability: int) -> Usage:
+    """Registers and spill bytes from `ptxas -v` on the compiled PTX, and Triton's shared bytes."""
+    with tempfile.TemporaryDirectory() as folder:
+        ptx = os.path.join(folder, "kernel.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        result = subprocess.run([ptxas_path(), "-v", f"--gpu-name={GPU_NAMES[capability]}", ptx, "-o",
+                                 os.path.join(folder, "kernel.cubin")], capture_output=True, text=True)
+    if result.returncode:
+        raise ResourceError(f"ptxas failed ({result.returncode}): {result.stderr.strip()}")
+    number = lambda pattern: int(re.search(pattern, result.stderr).group(1))  # noqa: E731
+    return Usage(number(r"Used (\d+) registers"), number(r"(\d+) bytes spill stores"),
+                 number(r"(\d+) bytes spill loads"), int(compiled.metadata.shared))
+
+
+def measure(case: Case) -> Usage | Exception:
+    """`case` compiled and measured, or what went wrong (returned, so that a pool's other cases go on)."""
+    try:
+        return usage(compile_case(case), case.capability)
+    except Exception as error:  # noqa: BLE001 (Triton's own: e.g. out of resources, an invalid layout)
+        return error
+
+
+def measure_all(cases: list[Case], workers: int | None = None) -> list[Usage | Exception]:
+    """`measure` of each case, over `workers` processes (default: the CPUs this process may use).
+    Spawned, not forked: the caller may hold torch's thread pools."""
+    if workers is None:
+        workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if workers <= 1 or len(cases) <= 1:
+        return [measure(case) for case in cases]
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(min(workers, len(cases)), mp_context=context) as pool:
+        return list(pool.map(measure, cases, chunksize=4))
+
+
+def failures(case: Case, found: Usage) -> list[str]:
+    """What `found` breaks of `case`'s budget (empty: within it)."""
+    allowed = ALLOWED_SPILL_BYTES.get((case.pass_name, case.dtype), 0) if case.blocks is None else 0
+    problems = []
+    if found.spill_store_bytes > allowed or found.spill_load_bytes > allowed:
+        problems.append(f"spills {found.spill_store_bytes} bytes stored / {found.spill_load_bytes} loaded "
+                        f"(allowed {allowed}; {found.registers} registers)")
+    limit = SHARED_LIMIT_BYTES[case.capability]
+    if found.shared_bytes > limit:
+        problems.append(f"needs {found.shared_bytes} bytes of shared memory (the limit per block is {limit})")
+    return problems
+
+
+def check(case: Case, found: Usage | Exception | None = None) -> Usage:
+    """`case`'s `Usage` (`measure`d here unless given), or a `ResourceError` saying what failed."""
+    found = found or measure(case)
+    if isinstance(found, Exception):
+        raise ResourceError(f"{case.describe()}: does not compile: {type(found).__name__}: {found}") from found
+    problems = failures(case, found)
+    if problems:
+        raise ResourceError(f"{case.describe()}: " + "; ".join(problems))
+    return found
+
+
+def main() -> None:
+    """The table of the shipped configurations: every optional input, `TABLE_LOSS`, `HIDDEN_SIZES`."""
+    cases = [Case(pass_name, dtype, TABLE_LOSS, hidden_size, capability) for pass_name in launch.PASSES
+             for dtype in launch.DTYPES for hidden_size in HIDDEN_SIZES for capability in CAPABILITIES]
+    print(f"Loss form {tuple(TABLE_LOSS.form())}, bias + class_weight + pos_weight; spills: bytes stored")
+    print(f"{'kernel':<12}{'pass':<11}{'dtype':<6}{'D':>5}  {'blocks':<15}{'arch':<8}{'regs':>5}{'spills':>8}"
+          f"{'shared':>8}")
+    for case, found in zip(cases, measure_all(cases)):
+        b = case.launch_blocks
+        blocks = f"{b.block_n}x{b.block_v}x{b.block_d(case.hidden_size)}/{b.num_warps}w"
+        numbers = (f"{found.registers:>5}{found.spill_store_bytes:>8}{found.shared_bytes:>8}"
+                   if isinstance(found, Usage) else f"  {type(found).__name__}: {found}")
+        print(f"{case.kernel.fn.__name__:<12}{case.pass_name:<11}{TYPE_NAMES[case.dtype]:<6}{case.hidden_size:>5}  "
+              f"{blocks:<15}{GPU_NAMES[case.capability]:<8}{numbers}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
