@@ -21,6 +21,7 @@ OPTION_NAMES = {"focal", "gamma", "alpha", "apply_class_balancing", "label_smoot
 OWNERS = {
     "cutbce_common/focal.py", "cutbce_common/loss.py",  # the options type
     "jax_kernels/branch_math.py", "torch_cutbce/branch_math.py",  # the math, per language
+    "torch_cutbce/triton/tile_math.py",  # and in Triton
     "jax_kernels/reference.py", "torch_cutbce/reference.py",  # the two float64 oracles
     "jax_kernels/api.py", "torch_cutbce/functional.py", "torch_cutbce/module.py",  # the entries' keywords
 }

@@ -112,7 +112,7 @@ class ResourceError(RuntimeError):
 
 def signature(kernel, dtype: torch.dtype, constexprs: dict) -> dict[str, str]:
     """Triton's signature of `kernel`: the inputs' pointers in `dtype`, ids and counts int32, every
-    other pointer float32, sizes int32, the `Loss`'s scalars float32."""
+    other pointer float32, sizes int32 (the `Loss`'s numbers: a float32 pointer)."""
     types = {}
     for name in kernel.arg_names:
         if name in constexprs:

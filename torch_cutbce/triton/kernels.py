@@ -76,8 +76,7 @@ def _weights(cw_ptr, pw_ptr, y, cols, col_mask, HAS_CW: tl.constexpr, HAS_PW: tl
 
 
 @triton.jit
-def _tile(z, bias_ptr, cw_ptr, pw_ptr, ids_ptr, row_start, col_start, N, V, L,
-          gamma, fraction, c, positive_scale, negative_scale,
+def _tile(z, bias_ptr, cw_ptr, pw_ptr, ids_ptr, row_start, col_start, N, V, L, numbers_ptr,
           HAS_BIAS: tl.constexpr, HAS_CW: tl.constexpr, HAS_PW: tl.constexpr,
           FOCAL: tl.constexpr, POWER: tl.constexpr, FRACTION: tl.constexpr, SMOOTHING: tl.constexpr,
           BALANCED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
@@ -89,8 +88,7 @@ def _tile(z, bias_ptr, cw_ptr, pw_ptr, ids_ptr, row_start, col_start, N, V, L,
     if HAS_BIAS:
         z += tl.load(bias_ptr + cols, mask=col_mask, other=0.0)[None, :]
     y = _labels(ids_ptr, rows, cols, row_mask, L, BLOCK_N, BLOCK_V)
-    value, slope = labelled_terms(z, y, gamma, fraction, c, positive_scale, negative_scale,
-                                  FOCAL, POWER, FRACTION, SMOOTHING, BALANCED)
+    value, slope = labelled_terms(z, y, numbers_ptr, FOCAL, POWER, FRACTION, SMOOTHING, BALANCED)
     weight = _weights(cw_ptr, pw_ptr, y, cols, col_mask, HAS_CW, HAS_PW)
     valid = row_mask[:, None] & col_mask[None, :]
     return z, y, valid, tl.where(valid, value * weight, 0.0), tl.where(valid, slope * weight, 0.0)
@@ -98,7 +96,7 @@ def _tile(z, bias_ptr, cw_ptr, pw_ptr, ids_ptr, row_start, col_start, N, V, L,
 
 @triton.jit
 def row_kernel(h_ptr, w_ptr, bias_ptr, cw_ptr, pw_ptr, ids_ptr, g_ptr, rows_ptr, counts_ptr, dh_ptr,
-               N, V, D, L, gamma, fraction, c, positive_scale, negative_scale,
+               N, V, D, L, numbers_ptr,
                HAS_BIAS: tl.constexpr, HAS_CW: tl.constexpr, HAS_PW: tl.constexpr,
                WITH_ROWS: tl.constexpr, WITH_COUNTS: tl.constexpr, WITH_GRAD: tl.constexpr,
                FOCAL: tl.constexpr, POWER: tl.constexpr, FRACTION: tl.constexpr, SMOOTHING: tl.constexpr,
@@ -129,9 +127,8 @@ def row_kernel(h_ptr, w_ptr, bias_ptr, cw_ptr, pw_ptr, ids_ptr, g_ptr, rows_ptr,
             z = _logits(h_ptr, w_ptr, row_start, start, N, V, D, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION)
             w = _block(w_ptr, V, D, start, tl.program_id(1) * BLOCK_D, BLOCK_V, BLOCK_D)
         z, y, valid, value, slope = _tile(
-            z, bias_ptr, cw_ptr, pw_ptr, ids_ptr, row_start, start, N, V, L, gamma, fraction, c,
-            positive_scale, negative_scale, HAS_BIAS, HAS_CW, HAS_PW, FOCAL, POWER, FRACTION, SMOOTHING,
-            BALANCED, BLOCK_N, BLOCK_V)
+            z, bias_ptr, cw_ptr, pw_ptr, ids_ptr, row_start, start, N, V, L, numbers_ptr, HAS_BIAS, HAS_CW, HAS_PW,
+            FOCAL, POWER, FRACTION, SMOOTHING, BALANCED, BLOCK_N, BLOCK_V)
         if WITH_ROWS:
             loss, error = two_sum(loss, tl.sum(value, axis=1))
             loss_error += error
@@ -155,7 +152,7 @@ def row_kernel(h_ptr, w_ptr, bias_ptr, cw_ptr, pw_ptr, ids_ptr, g_ptr, rows_ptr,
 
 @triton.jit
 def item_kernel(h_ptr, w_ptr, bias_ptr, cw_ptr, pw_ptr, ids_ptr, g_ptr, dw_ptr, db_ptr,
-                N, V, D, L, gamma, fraction, c, positive_scale, negative_scale,
+                N, V, D, L, numbers_ptr,
                 HAS_BIAS: tl.constexpr, HAS_CW: tl.constexpr, HAS_PW: tl.constexpr,
                 WITH_ITEMS: tl.constexpr, WITH_BIAS_GRAD: tl.constexpr,
                 FOCAL: tl.constexpr, POWER: tl.constexpr, FRACTION: tl.constexpr, SMOOTHING: tl.constexpr,
@@ -184,9 +181,8 @@ def item_kernel(h_ptr, w_ptr, bias_ptr, cw_ptr, pw_ptr, ids_ptr, g_ptr, dw_ptr, 
             z = _logits(h_ptr, w_ptr, start, col_start, N, V, D, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION)
             h = _block(h_ptr, N, D, start, tl.program_id(1) * BLOCK_D, BLOCK_N, BLOCK_D)
         z, y, valid, value, slope = _tile(
-            z, bias_ptr, cw_ptr, pw_ptr, ids_ptr, start, col_start, N, V, L, gamma, fraction, c,
-            positive_scale, negative_scale, HAS_BIAS, HAS_CW, HAS_PW, FOCAL, POWER, FRACTION, SMOOTHING,
-            BALANCED, BLOCK_N, BLOCK_V)
+            z, bias_ptr, cw_ptr, pw_ptr, ids_ptr, start, col_start, N, V, L, numbers_ptr, HAS_BIAS, HAS_CW, HAS_PW,
+            FOCAL, POWER, FRACTION, SMOOTHING, BALANCED, BLOCK_N, BLOCK_V)
         dz = slope * tl.load(g_ptr + rows, mask=row_mask, other=0.0)[:, None]
         if WITH_ITEMS:
             dw, error = two_sum(dw, tl.dot(tl.trans(dz).to(h.dtype), h, input_precision=PRECISION))

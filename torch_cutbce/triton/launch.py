@@ -20,12 +20,13 @@ product, as the dense loss in that dtype rounds its logits' gradient.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
 
 from cutbce_common.loss import Loss
-from torch_cutbce.triton import interpreter, kernels
+from torch_cutbce.triton import interpreter, kernels, tile_math
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The widest hidden block a program holds: wider hidden sizes take several programs per block of
@@ -103,14 +104,10 @@ def precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def loss_constants(loss: Loss) -> tuple[tuple, dict]:
-    """The `Loss` as the kernels take it: `numbers()` as scalars, `form()` as constexprs."""
-    form, numbers = loss.form(), loss.numbers()
-    scalars = (numbers.gamma, numbers.fraction, numbers.half_smoothing, numbers.positive_scale,
-               numbers.negative_scale)
-    constexprs = dict(FOCAL=form.focal, POWER=form.power, FRACTION=form.fraction, SMOOTHING=form.smoothing,
-                      BALANCED=form.balanced)
-    return tuple(float(x) for x in scalars), constexprs
+@functools.lru_cache(maxsize=16)
+def _loss_numbers(loss: Loss, device: torch.device) -> torch.Tensor:
+    """`tile_math.loss_numbers` as the kernels' `numbers_ptr` (one small copy per Loss and device)."""
+    return torch.tensor(tile_math.loss_numbers(loss), dtype=torch.float32, device=device)
 
 
 def _or_dummy(x: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
@@ -123,7 +120,7 @@ def kernel_constexprs(dtype: torch.dtype, loss: Loss, blocks: Blocks, hidden_siz
     """Every constexpr of one kernel launch: which optional inputs are read, which outputs are written
     (`outputs`: `row_outputs` / `item_outputs`), the `Loss`'s form, the tiles and the product precision.
     The launchers and the ahead-of-time compiles (`aot.py`) both build their flags here."""
-    _, form = loss_constants(loss)
+    form = tile_math.loss_constexprs(loss)
     block_d = blocks.block_d(hidden_size)
     return dict(HAS_BIAS=has_bias, HAS_CW=has_class_weight, HAS_PW=has_pos_weight, **outputs, **form,
                 BLOCK_N=blocks.block_n, BLOCK_V=blocks.block_v, BLOCK_D=block_d, ONE_CHUNK=hidden_size <= block_d,
@@ -141,14 +138,14 @@ def item_outputs(with_items: bool, with_bias: bool) -> dict[str, bool]:
 def _common(hidden, item_weight, ids, bias, class_weight, pos_weight, loss, blocks, outputs):
     if interpreter.interpreting():
         interpreter.make_compatible()
-    scalars, _ = loss_constants(loss)
+    numbers = (_loss_numbers(loss, hidden.device),)
     dummy = lambda x: _or_dummy(x, hidden)  # noqa: E731
     pointers = (hidden, item_weight, dummy(bias), dummy(class_weight), dummy(pos_weight), ids)
     sizes = (hidden.shape[0], item_weight.shape[0], hidden.shape[1], ids.shape[1])
     flags = kernel_constexprs(hidden.dtype, loss, blocks, hidden.shape[1], has_bias=bias is not None,
                               has_class_weight=class_weight is not None, has_pos_weight=pos_weight is not None,
                               outputs=outputs)
-    return pointers, sizes, scalars, dict(flags, num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+    return pointers, sizes, numbers, dict(flags, num_warps=blocks.num_warps, num_stages=blocks.num_stages)
 
 
 def rows_pass(hidden, item_weight, ids, bias, class_weight, pos_weight, g, loss: Loss, *, with_rows: bool,
@@ -158,7 +155,7 @@ def rows_pass(hidden, item_weight, ids, bias, class_weight, pos_weight, g, loss:
     n, d = hidden.shape
     outputs = row_outputs(with_rows, with_counts, g is not None)
     blocks = blocks or blocks_for(row_pass(with_rows, with_counts, g is not None), hidden.dtype, d)
-    pointers, sizes, scalars, flags = _common(hidden, item_weight, ids, bias, class_weight, pos_weight, loss, blocks,
+    pointers, sizes, numbers, flags = _common(hidden, item_weight, ids, bias, class_weight, pos_weight, loss, blocks,
                                               outputs)
     f32 = dict(dtype=torch.float32, device=hidden.device)
     rows = torch.empty(n if with_rows else 0, **f32)
@@ -166,7 +163,7 @@ def rows_pass(hidden, item_weight, ids, bias, class_weight, pos_weight, g, loss:
     d_hidden = torch.empty((n, d) if g is not None else (0,), **f32)
     columns = max(1, triton.cdiv(d, flags["BLOCK_D"])) if g is not None else 1  # D = 0: one column
     grid = (triton.cdiv(n, blocks.block_n), columns)
-    kernels.row_kernel[grid](*pointers, _or_dummy(g, hidden), rows, counts, d_hidden, *sizes, *scalars, **flags)
+    kernels.row_kernel[grid](*pointers, _or_dummy(g, hidden), rows, counts, d_hidden, *sizes, *numbers, **flags)
     return (rows if with_rows else None, counts if with_counts else None, d_hidden if g is not None else None)
 
 
@@ -176,11 +173,11 @@ def items_pass(hidden, item_weight, ids, bias, class_weight, pos_weight, g, loss
     defaults to the shipped one (`blocks_for`)."""
     v, d = item_weight.shape
     blocks = blocks or blocks_for("items", hidden.dtype, d)
-    pointers, sizes, scalars, flags = _common(hidden, item_weight, ids, bias, class_weight, pos_weight, loss, blocks,
+    pointers, sizes, numbers, flags = _common(hidden, item_weight, ids, bias, class_weight, pos_weight, loss, blocks,
                                               item_outputs(with_items, with_bias))
     f32 = dict(dtype=torch.float32, device=hidden.device)
     d_items = torch.empty((v, d) if with_items else (0,), **f32)
     d_bias = torch.empty(v if with_bias else 0, **f32)
     grid = (triton.cdiv(v, blocks.block_v), max(1, triton.cdiv(d, flags["BLOCK_D"])) if with_items else 1)
-    kernels.item_kernel[grid](*pointers, g, d_items, d_bias, *sizes, *scalars, **flags)
+    kernels.item_kernel[grid](*pointers, g, d_items, d_bias, *sizes, *numbers, **flags)
     return d_items if with_items else None, d_bias if with_bias else None

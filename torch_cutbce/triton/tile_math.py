@@ -18,6 +18,23 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from cutbce_common.loss import Loss
+
+
+def loss_numbers(loss: Loss) -> tuple[float, ...]:
+    """A `Loss`'s run-time numbers as the kernels read them (`numbers_ptr`, float32 [5]): gamma, its
+    fraction, c = smoothing / 2, the positive and negative branch scales."""
+    numbers = loss.numbers()
+    return tuple(float(x) for x in (numbers.gamma, numbers.fraction, numbers.half_smoothing,
+                                    numbers.positive_scale, numbers.negative_scale))
+
+
+def loss_constexprs(loss: Loss) -> dict:
+    """A `Loss`'s `form()` as the kernels' constexprs (what a compiled kernel specialises on)."""
+    form = loss.form()
+    return dict(FOCAL=form.focal, POWER=form.power, FRACTION=form.fraction, SMOOTHING=form.smoothing,
+                BALANCED=form.balanced)
+
 
 @triton.jit
 def exp_neg_abs(z):
@@ -60,16 +77,18 @@ def integer_power(x, POWER: tl.constexpr):
 
 
 @triton.jit
-def labelled_terms(z, y, gamma, fraction, c, positive_scale, negative_scale,
-                   FOCAL: tl.constexpr, POWER: tl.constexpr, FRACTION: tl.constexpr,
+def labelled_terms(z, y, numbers_ptr, FOCAL: tl.constexpr, POWER: tl.constexpr, FRACTION: tl.constexpr,
                    SMOOTHING: tl.constexpr, BALANCED: tl.constexpr):
     """`(loss, d loss / dz)` of each logit `z` whose label is `y` (bool), before the weights.
 
-    The `Loss` arrives as its `form()` (the constexprs) and `numbers()` (gamma, its fraction, c =
-    smoothing / 2, the branch scales). With `u = -z if y else z` and `B(u) = (1 - c) max(u, 0) +
+    The `Loss` arrives as its `form()` (the constexprs: `loss_constexprs`) and its numbers
+    (`numbers_ptr`: `loss_numbers`, read where the form uses them; loop-invariant loads). With `u = -z if y else z` and `B(u) = (1 - c) max(u, 0) +
     c max(-u, 0) + log1p(e)`: term = q^gamma B, slope = q^gamma (B' + gamma bend B), where q^gamma
     is `focal_factor`'s exact split without smoothing and `exp(gamma log q)` with it.
     """
+    gamma = tl.load(numbers_ptr)
+    fraction = tl.load(numbers_ptr + 1)
+    c = tl.load(numbers_ptr + 2)
     u = tl.where(y, -z, z)
     e = exp_neg_abs(z)
     tail = log1p_unit(e)
@@ -98,7 +117,7 @@ def labelled_terms(z, y, gamma, fraction, c, positive_scale, negative_scale,
         slope = factor * (gamma * bend * plus + slope)
         plus = factor * plus
     if BALANCED:
-        scale = tl.where(y, positive_scale, negative_scale)
+        scale = tl.where(y, tl.load(numbers_ptr + 3), tl.load(numbers_ptr + 4))
         plus = plus * scale
         slope = slope * scale
     return plus, tl.where(y, -slope, slope)  # du/dz = -1 at a positive
