@@ -111,3 +111,17 @@ def xla_runtime_before_any_backward(request):
         import torch_xla
 
         torch_xla.device()
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A gloo group of one rank in this process: enough for vocab_parallel to run its all_reduces."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -88,20 +88,6 @@ def test_the_device_checks_read_the_fields():
         engines.check_devices(cpu, "xla", engines.ENGINES["xla"])
 
 
-@pytest.fixture
-def one_rank_group(tmp_path):
-    """A gloo group of one rank in this process: enough for vocab_parallel to run its all_reduces."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("reduction", ["none", "sum"])
 def test_vocab_parallel_wraps_the_engine_chosen_for_the_tensors(one_rank_group, monkeypatch, reduction):
     """`select(backend, vocab_parallel)` is the backend's engine under `over_ranks`: the engine gets this

@@ -167,20 +167,6 @@ def test_module_buffers_follow_to_and_state_dict():
     assert CutBCEWithLogitsLoss().state_dict() == {}  # None buffers are not saved
 
 
-@pytest.fixture
-def one_rank_group(tmp_path):
-    """A gloo group of one rank in this process: enough for vocab_parallel to run its all_reduces."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_module_with_vocab_parallel_equals_the_function(one_rank_group, reduction):
     from torch_cutbce.vocab_parallel import VocabParallelOptions

@@ -18,7 +18,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from parity import TOLERANCES
 from torch_cutbce import Focal, cut_bce_with_logits, dense_bce_with_logits
@@ -138,13 +137,6 @@ def test_autocast_runs_the_bfloat16_kernels():
     assert got[1].dtype == torch.float32  # each gradient in its input's dtype
     for name, g, w in zip(("rows", "d_hidden", "d_item_weight", "d_bias"), got, want):
         _assert_relative(g, w, 2e-2, f"autocast {name}")  # the bfloat16 products' rounding
-
-
-@pytest.fixture
-def one_rank_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("reduction", ["none", "sum"])
