@@ -77,7 +77,7 @@ ROW_BLOCKS = {
     "rows": {torch.float32: (_B(64, 64, 128, 16), _B(32, 64, 128, 8)),
              **dict.fromkeys(_HALF, (_B(64, 32, 128, 4), _B(64, 32, 128, 8)))},
     "grad": {torch.float32: (_B(32, 64, 128, 16), _B(16, 32, 64, 4)),
-             **dict.fromkeys(_HALF, (_B(32, 64, 128, 8), _B(64, 32, 64, 8)))},
+             **dict.fromkeys(_HALF, (_B(32, 64, 128, 8), _B(32, 64, 64, 8)))},
     "rows_grad": {torch.float32: (_B(32, 16, 128, 4), _B(32, 32, 64, 8)),
                   **dict.fromkeys(_HALF, (_B(32, 16, 128, 8), _B(32, 64, 64, 8)))},
 }
