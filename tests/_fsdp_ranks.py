@@ -27,7 +27,13 @@ VARIANTS = {  # name: tied, reshard_after_forward, microbatches, divide factor, 
     "tied-bf16-params": (True, True, 1, None, torch.bfloat16, False),
     "untied-fewer-items-than-ranks": (False, True, 1, None, None, True),
     "tied-fewer-items-than-ranks": (True, True, 1, None, None, True),
+    "triton-tied-reshard": (True, True, 1, None, None, False),  # backend='triton' (Triton's interpreter)
 }
+
+
+def backend(variant: str) -> str:
+    """The loss's backend: 'triton' for the variants named so (the ranks interpret it), else 'auto'."""
+    return "triton" if variant.startswith("triton-") else "auto"
 
 
 def num_items(variant: str, world: int) -> int:
@@ -102,7 +108,7 @@ def train(rank: int, world: int, variant: str) -> dict:
             hidden = model(ids)
             table = model.table()
             read_sharded.append(type(table).__name__ == "DTensor")
-            (tc.cut_bce_with_logits(hidden, table, targets) / micro).backward()
+            (tc.cut_bce_with_logits(hidden, table, targets, backend=backend(variant)) / micro).backward()
         # Every parameter has a gradient on every rank: the next collective over them (this clip,
         # full_tensor(), a DTensor-aware optimizer) then runs on every rank.
         with_grad.append(all(p.grad is not None for p in model.parameters()))
