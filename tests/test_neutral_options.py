@@ -204,22 +204,26 @@ OPCHECK_OPTIONS = {
 }
 
 
-@pytest.mark.parametrize("name", OPCHECK_OPTIONS)
-def test_opcheck_native_ops(name):
-    options = OPCHECK_OPTIONS[name].encode()
-    t = _native_inputs()
+def opcheck_chunked_ops(chunked, t: dict, options: str, g_dtype: torch.dtype) -> None:
+    """`torch.library.opcheck` of an engine's three custom ops (`chunked_ops.ChunkedOps`) on the tensors
+    `t` (`_native_inputs`' keys): schemas, fakes against the real outputs, autograd registration."""
     rows_args = (t["hidden"], t["item_weight"], t["targets"], t["bias"], t["class_weight"], t["pos_weight"], options)
-    torch.library.opcheck(ops.OPS.rows_op, rows_args)
-    _, _, logits, ids = ops.OPS.rows_op(*(x.detach() if isinstance(x, torch.Tensor) else x for x in rows_args))
-    g = torch.rand(t["hidden"].shape[0], dtype=torch.float64)
+    torch.library.opcheck(chunked.rows_op, rows_args)
+    _, _, logits, ids = chunked.rows_op(*(x.detach() if isinstance(x, torch.Tensor) else x for x in rows_args))
+    g = torch.rand(t["hidden"].shape[0], dtype=g_dtype)
     backward_args = (t["hidden"].detach(), t["item_weight"].detach(), ids, t["bias"].detach(), t["class_weight"],
                      t["pos_weight"], logits, g, [True, True, True], options)
-    torch.library.opcheck(ops.OPS.rows_backward_op, backward_args)
+    torch.library.opcheck(chunked.rows_backward_op, backward_args)
     loss_args = (t["hidden"], t["item_weight"], t["targets"], t["bias"], t["class_weight"], t["pos_weight"],
                  t["weight"], 37.0, [True, True, True], options)
     # Not test_aot_dispatch_dynamic: the one-pass backward scales its saved gradients in place
     # (mul_, once: a second backward raises), which that check's functionalized graph rejects
     # ("Node mul was invalid, but is output"), as before the options; torch.compile of the
     # whole loss is tests/test_torch_toolchain.py's.
-    torch.library.opcheck(ops.OPS.loss_op, loss_args, test_utils=("test_schema", "test_autograd_registration",
-                                                            "test_faketensor"))
+    torch.library.opcheck(chunked.loss_op, loss_args, test_utils=("test_schema", "test_autograd_registration",
+                                                                 "test_faketensor"))
+
+
+@pytest.mark.parametrize("name", OPCHECK_OPTIONS)
+def test_opcheck_native_ops(name):
+    opcheck_chunked_ops(ops.OPS, _native_inputs(), OPCHECK_OPTIONS[name].encode(), torch.float64)

@@ -153,6 +153,19 @@ def test_a_cuda_tensor_runs_the_triton_kernels_by_default():
             with OpsCalled() as called:
                 assert cut_bce_with_logits(hidden, items, targets).shape == ()
             assert op in called.names, sorted(called.names)
+        # The dtype the logits' matmul sees decides: float32 hidden with a float64 table is float64.
+        mixed = (torch.empty(5, HIDDEN_SIZE, device="cuda"), torch.empty(NUM_ITEMS, HIDDEN_SIZE, device="cuda",
+                                                                         dtype=torch.float64))
+        with OpsCalled() as called:
+            cut_bce_with_logits(*mixed, torch.zeros(5, 2, dtype=torch.long, device="cuda"))
+        assert "torch_cutbce::loss" in called.names, sorted(called.names)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (a CUDA build of torch ships it)")
+def test_the_triton_engine_takes_the_dtypes_its_kernels_do():
+    from torch_cutbce.triton import launch
+
+    assert engines.ENGINES["triton"].dtypes == launch.DTYPES
 
 
 def test_auto_says_when_the_engine_for_the_device_cannot_run(monkeypatch):

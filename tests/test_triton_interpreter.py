@@ -4,7 +4,8 @@ the same process): the paths its small shapes do not reach and the entry's promi
 - hidden sizes above a program's block (`launch.MAX_BLOCK_D`: several column programs, the logits
   summed over D in blocks), D = 0, N = 0, one item;
 - sums over 1,024 tiles of equal terms (a running float32 sum's worst case) against their closed form;
-- `torch.compile(step, fullgraph=True)`: one graph (the custom ops), the eager numbers;
+- `torch.compile(step, fullgraph=True)`: one graph (the custom ops), the eager numbers; the ops'
+  fakes against their outputs (`torch.library.opcheck`);
 - the same bits on every run, and under `torch.use_deterministic_algorithms(True)`;
 - `torch.autocast`, and `vocab_parallel=` (this rank's slice of the table, ids outside it padding).
 
@@ -19,6 +20,8 @@ import os
 import pytest
 import torch
 
+from cutbce_common.loss import Loss
+from cutbce_common.options import CutBCEOptions
 from parity import TOLERANCES
 from torch_cutbce import Focal, cut_bce_with_logits, dense_bce_with_logits
 from torch_cutbce.route import VocabParallelOptions
@@ -113,6 +116,17 @@ def test_torch_compile_fullgraph_is_one_graph_with_the_eager_numbers():
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")  # inductor would compile for a GPU
     for got, want in zip(run(compiled), run(step)):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("options", [CutBCEOptions(compute_metrics=True, loss=Loss(**LOSS)), CutBCEOptions()])
+def test_opcheck_triton_ops(options):
+    """Schemas, fakes (the saved ids are int64, as the fakes say) and autograd of the three ops."""
+    from test_neutral_options import _native_inputs, opcheck_chunked_ops
+    from torch_cutbce.triton import ops
+
+    t = {name: x.detach().float().requires_grad_(x.requires_grad) if x.is_floating_point() else x
+         for name, x in _native_inputs(d=16).items()}
+    opcheck_chunked_ops(ops.OPS, t, options.encode(), torch.float32)
 
 
 def test_the_same_bits_every_run_and_under_deterministic_algorithms():

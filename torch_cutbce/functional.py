@@ -119,6 +119,8 @@ def cut_bce_with_logits(
         arguments.check_no_parallel_options(mesh, vocab_parallel)
         hidden, item_weight, targets, bias, weight, class_weight, pos_weight = distributed.localize(
             layout, hidden, item_weight, targets, bias, weight, class_weight, pos_weight)
+    # The dtypes the logits' matmul sees (autocast's, or promoted) decide the engine and its dtype check.
+    hidden, item_weight, bias = arguments.matmul_dtype_inputs(hidden, item_weight, bias)
     backend = engines.resolve_backend(backend, hidden)
     loss = Loss(focal, label_smoothing)  # the per-element math, checked (its errors name the argument)
     engines.check_parallel_options(backend, mesh, vocab_parallel, vocab_axis, data_axis)  # on the resolved backend
@@ -130,7 +132,6 @@ def cut_bce_with_logits(
     )
     arguments.check_constant("class_weight", class_weight)
     arguments.check_constant("pos_weight", pos_weight)
-    hidden, item_weight, bias = arguments.matmul_dtype_inputs(hidden, item_weight, bias)
     lead_shape = hidden.shape[:-1]  # this rank's positions under a layout
     n = lead_shape.numel()
     num_items = size.num_items if vocab_parallel is None else vocab_parallel.num_items  # the global V

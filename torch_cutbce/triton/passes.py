@@ -17,20 +17,18 @@ from torch_cutbce.reduction import weighted_count_sums
 from torch_cutbce.triton import launch
 
 
-def _check_dtype(hidden: torch.Tensor) -> None:
-    if hidden.dtype not in launch.DTYPES:
-        names = ", ".join(str(d).removeprefix("torch.") for d in launch.DTYPES)
-        raise ValueError(f"backend='triton' takes hidden of {names}, got hidden.dtype={hidden.dtype}; "
-                         f"float64 runs on backend='native'")
-
-
-def _inputs(hidden, item_weight, targets, bias, class_weight, pos_weight, options):
-    """The kernels' operands: `(h, w, ids, bias, cw, pw)`."""
-    _check_dtype(hidden)
+def _operands(hidden, item_weight, ids, bias, class_weight, pos_weight):
+    """The kernels' operands `(h, w, ids, bias, cw, pw)`: contiguous, the table in hidden's dtype, ids
+    int32, the per-item vectors float32. (The entry has already refused dtypes the kernels do not
+    take: `Engine.dtypes`.)"""
     f32 = lambda x: None if x is None else x.to(torch.float32).contiguous()  # noqa: E731
-    ids = positives.positive_ids(targets, item_weight.shape[0], options.offset).to(torch.int32).contiguous()
-    return (hidden.contiguous(), item_weight.to(hidden.dtype).contiguous(), ids, f32(bias), f32(class_weight),
-            f32(pos_weight))
+    return (hidden.contiguous(), item_weight.to(hidden.dtype).contiguous(), ids.to(torch.int32).contiguous(),
+            f32(bias), f32(class_weight), f32(pos_weight))
+
+
+def _positive_ids(targets, item_weight, options):
+    """`positives.positive_ids` for this table's slice: int64, as the custom ops' fakes say."""
+    return positives.positive_ids(targets, item_weight.shape[0], options.offset)
 
 
 def _counts(counts, ids, num_items):
@@ -50,22 +48,20 @@ def _item_grads(operands, g, need, loss):
 def rows_forward(hidden, item_weight, targets, bias, class_weight, pos_weight, options):
     """Per-position rows, counts `[4, N]` (or `[0, N]`) and what the backward needs: `(rows, counts,
     positives' logits (an empty `[N, 0]`: the backward recomputes them), ids [N, L])`."""
-    operands = _inputs(hidden, item_weight, targets, bias, class_weight, pos_weight, options)
+    ids = _positive_ids(targets, item_weight, options)
+    operands = _operands(hidden, item_weight, ids, bias, class_weight, pos_weight)
     n, compute_metrics = hidden.shape[0], options.compute_metrics
     rows, counts, _ = launch.rows_pass(*operands, None, options.loss, with_rows=True, with_counts=compute_metrics)
     if compute_metrics:
-        counts = _counts(counts, operands[2], item_weight.shape[0])
+        counts = _counts(counts, ids, item_weight.shape[0])
     else:
         counts = torch.zeros((0, n), dtype=torch.float32, device=hidden.device)
-    return rows, counts, rows.new_zeros((n, 0)), operands[2]
+    return rows, counts, rows.new_zeros((n, 0)), ids
 
 
 def rows_backward(hidden, item_weight, ids, bias, class_weight, pos_weight, logits, g, need, options):
     """`(d_hidden, d_items, d_bias)` of `sum_n g[n] rows[n]` in float32, None where `need` says no."""
-    _check_dtype(hidden)
-    f32 = lambda x: None if x is None else x.to(torch.float32).contiguous()  # noqa: E731
-    operands = (hidden.contiguous(), item_weight.to(hidden.dtype).contiguous(), ids.to(torch.int32).contiguous(),
-                f32(bias), f32(class_weight), f32(pos_weight))
+    operands = _operands(hidden, item_weight, ids, bias, class_weight, pos_weight)
     g = g.to(torch.float32).contiguous()
     d_hidden = None
     if need[0]:
@@ -77,18 +73,19 @@ def loss_and_grads(hidden, item_weight, targets, bias, class_weight, pos_weight,
     """The 'sum' / 'mean' loss `sum_n weight[n] rows[n] / divisor` and its gradients in one forward
     (the row gradient `weight / divisor` is known): `(loss, counts [4] or [0], rows, d_hidden,
     d_items, d_bias)`, float32, None where `need` says no."""
-    operands = _inputs(hidden, item_weight, targets, bias, class_weight, pos_weight, options)
+    ids = _positive_ids(targets, item_weight, options)
+    operands = _operands(hidden, item_weight, ids, bias, class_weight, pos_weight)
     n, compute_metrics = hidden.shape[0], options.compute_metrics
     divisor = torch.tensor(divisor, dtype=torch.float32)  # 'mean' of N = 0 is 0 / 0 = nan, as torch
     g = (torch.ones(n, dtype=torch.float32, device=hidden.device) if weight is None
          else weight.detach().to(torch.float32)) / divisor
-    rows, counts, d_hidden = launch.rows_pass(*operands, g.contiguous() if need[0] else None, options.loss,
-                                              with_rows=True, with_counts=compute_metrics)
-    d_items, d_bias = _item_grads(operands, g.contiguous(), need, options.loss)
+    rows, counts, d_hidden = launch.rows_pass(*operands, g if need[0] else None, options.loss, with_rows=True,
+                                              with_counts=compute_metrics)
+    d_items, d_bias = _item_grads(operands, g, need, options.loss)
     weighted = rows.double() if weight is None else rows.double() * weight.double()
     loss = (weighted.sum() / divisor.double()).to(torch.float32)
     if compute_metrics:
-        counts = weighted_count_sums(_counts(counts, operands[2], item_weight.shape[0]), weight)
+        counts = weighted_count_sums(_counts(counts, ids, item_weight.shape[0]), weight)
     else:
         counts = torch.zeros((0,), dtype=torch.float32, device=hidden.device)
     return loss, counts, rows, d_hidden, d_items, d_bias
