@@ -11,11 +11,11 @@ collective then fails the test instead of hanging it.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import tempfile
 import time
 import warnings
+from unittest import mock
 
 import torch
 
@@ -48,22 +48,6 @@ def _join(context, timeout_s: float | None, what: str) -> None:
             raise TimeoutError(f"{what} still ran after {timeout_s} s (a rank waiting in a collective?)")
 
 
-@contextlib.contextmanager
-def _interpreted_triton():
-    """The ranks start with `TRITON_INTERPRET=1` (a rank's backend='triton' runs in Triton's interpreter,
-    CPU tensors): set in their environment from the start, as triton reads it when first imported,
-    and restored here, where triton may compile for a GPU target."""
-    before = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = before
-
-
 def run_ranks(world: int, program, *args, timeout_s: float | None = None) -> list:
     """`program(rank, world, *args)` on `world` gloo ranks; its results, rank by rank."""
     import torch.multiprocessing as mp
@@ -71,7 +55,10 @@ def run_ranks(world: int, program, *args, timeout_s: float | None = None) -> lis
     with tempfile.TemporaryDirectory() as tmp:
         for attempt in (1, 2):
             try:
-                with _interpreted_triton():
+                # The ranks start with TRITON_INTERPRET=1 (a rank's backend='triton' runs in Triton's
+                # interpreter, CPU tensors): in their environment from the start, as triton reads it
+                # when first imported; restored here, where triton may compile for a GPU target.
+                with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}):
                     context = mp.start_processes(
                         _rank_entry, args=(world, os.path.join(tmp, f"init{attempt}"), tmp, program, args),
                         nprocs=world, join=False, start_method="spawn")

@@ -233,7 +233,8 @@ def check_backend(backend) -> None:
 
 def resolve_backend(backend: str, hidden: torch.Tensor) -> str:
     """`backend`, checked; 'auto' becomes the engine for `hidden`'s device type: the first engine in
-    registry order whose `auto_on` names the type and that is `available()`, else the first (and
+    registry order whose `auto_on` names the type, that takes `hidden`'s dtype (the matmul's, after
+    promotion or autocast) and that is `available()`, else the first (and
     available) one that takes `ANY_DEVICE`."""
     check_backend(backend)
     if backend != "auto":
@@ -261,8 +262,9 @@ def _say_unavailable(name: str, device_type: str) -> None:
 
 
 def resolved_backend(hidden: torch.Tensor, backend: str = "auto") -> str:
-    """The engine `cut_bce_with_logits(hidden, ..., backend=backend)` runs (without vocab_parallel=
-    or DTensors, whose local tensors decide the same way): for a user or a log line."""
+    """The engine `cut_bce_with_logits(hidden, ..., backend=backend)` runs when the item table has
+    hidden's dtype (the entry decides on the dtype the logits' matmul sees; without vocab_parallel= or
+    DTensors, whose local tensors decide the same way): for a user or a log line."""
     return resolve_backend(backend, hidden)
 
 
