@@ -140,7 +140,8 @@ def round_to_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
     if dtype != "bfloat16":
         raise ValueError(f"unknown dtype {dtype!r}")
     bits = f32.view(np.uint32).astype(np.uint64)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    u = np.uint64  # numpy 1.x promotes uint64 with a Python int to float64 (no shifts); typed constants do not
+    bits = (bits + u(0x7FFF) + ((bits >> u(16)) & u(1))) & u(0xFFFF0000)
     return bits.astype(np.uint32).view(np.float32).astype(np.float64)
 
 
