@@ -226,3 +226,31 @@ def test_bad_input_names_the_argument():
         build("sasrec", lightning_module_kwargs={"options": {"block": 8}}).fit(dataset)
     with pytest.raises(TypeError, match=r"item_bias: expected True or False, got 1"):
         build("bert4rec", lightning_module_kwargs={"item_bias": 1}).fit(dataset)
+
+
+def test_the_benchmark_runs_tiny(tmp_path):
+    from benchmarks import rectools_loss
+
+    out = tmp_path / "rectools_loss.txt"
+    rectools_loss.main(["--num-items", "300", "--rounds", "1", "--out", str(out)])
+    text = out.read_text()
+    assert "| 300 |" in text and "MiB" in text and "x |" in text
+    with pytest.raises(SystemExit):
+        rectools_loss.main(["--rounds", "0", "--out", str(out)])
+
+
+def test_the_ml100k_example_runs_tiny(tmp_path, capsys):
+    from examples import rectools_ml100k
+
+    rng = np.random.default_rng(0)
+    lines = ["user_id:token\titem_id:token\trating:float\ttimestamp:float"]
+    lines += [f"u{u}\tm{i}\t1\t{t}" for u in range(30) for t, i in enumerate(rng.choice(40, 8, replace=False))]
+    inter = tmp_path / "tiny.inter"
+    inter.write_text("\n".join(lines) + "\n")
+    tiny = ["--data-path", str(inter), "--epochs", "1", "--factors", "8", "--blocks", "1", "--heads", "1",
+            "--max-len", "8", "--resamples", "50"]
+    assert rectools_ml100k.main([*tiny, "--losses", "cutbce", "bce", "--out", str(tmp_path / "t.json")]) == 0
+    out = capsys.readouterr().out
+    assert "| CutBCE |" in out and "| RecTools BCE |" in out and "interval" in out
+    with pytest.raises(SystemExit):
+        rectools_ml100k.main([*tiny, "--losses", "softmax"])  # the table needs CutBCE

@@ -50,6 +50,22 @@ LOSS_NAME = "cutbce"
 _SET_HERE = {"hidden", "item_weight", "targets", "bias", "weight", "reduction", "return_metrics", "special_rows"}
 
 
+def batch_loss(hidden: torch.Tensor, table: torch.Tensor, y: torch.Tensor, yw: torch.Tensor, *, n_special: int,
+               bias: torch.Tensor | None = None, **options) -> torch.Tensor:
+    """The loss of one RecTools batch from its scoring vectors: `hidden` `[B, T, D]`, the whole table
+    `[V + n_special, D]` (its first `n_special` rows PAD, MASK: not items), targets `y` `[B, T]` (table
+    rows; special ids are no target), weights `yw` `[B, T]`, the items' `bias` `[V]`.
+
+    Over the positions whose `y` is a real item: the sum over the V items of BCE with the one-hot of
+    `y`, times `yw`, divided by the number of those positions."""
+    real = y >= n_special  # PAD (0) and MASK are no target; BERT4Rec's unmasked positions have y = 0
+    weight = yw.to(hidden.dtype) * real
+    n = n_special  # PROTOTYPE until main's SpecialRows lands: the view table[n:], ids shifted
+    targets = torch.where(real, y - n, -1)[..., None]  # [B, T, 1]: one label per position
+    loss = cut_bce_with_logits(hidden, table[n:], targets, bias, weight=weight, reduction="sum", **options)
+    return loss / real.sum().clamp_min(1)
+
+
 class CutBCEModule(TransformerLightningModule):
     """RecTools' `TransformerLightningModule` with the exact full-catalog BCE (`loss="cutbce"`).
 
@@ -108,14 +124,8 @@ class CutBCEModule(TransformerLightningModule):
         if last_only:  # validation: the targets are of the last position ([B, 1])
             session = session[:, -1:, :]
         hidden, table = self._scoring(session, table)
-        y, yw = batch["y"], batch["yw"]
-        real = y >= self.n_special  # PAD (0) and MASK are no target; BERT4Rec's unmasked positions have y = 0
-        weight = yw.to(hidden.dtype) * real
-        n = self.n_special  # PROTOTYPE until main's SpecialRows lands: the view table[n:], ids shifted
-        targets = torch.where(real, y - n, -1)[..., None]  # [B, T, 1]: one label per position
-        loss = cut_bce_with_logits(hidden, table[n:], targets, self.item_bias, weight=weight, reduction="sum",
-                                   **self.options)
-        return loss / real.sum().clamp_min(1)
+        return batch_loss(hidden, table, batch["y"], batch["yw"], n_special=self.n_special, bias=self.item_bias,
+                          **self.options)
 
     def _calc_custom_loss(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         return self._loss(batch, last_only=False)
