@@ -150,12 +150,6 @@ class Plan:
         """The excluded rows, as rows of the view."""
         return tuple(r - self.lead for r in self.special if self.lead <= r < self.rows - self.trail)
 
-    def item_rows(self, device=None) -> torch.Tensor:
-        """`[V]` int64: the table row of each item, in order."""
-        keep = torch.ones(self.rows, dtype=torch.bool)
-        keep[list(self.special)] = False
-        return keep.nonzero().flatten().to(device)
-
 
 def as_ids(targets, name: str = "targets") -> torch.Tensor:
     """Integer ids of any dtype as int64, so that -1 and shifts are exact (a uint8 -1 is 255)."""
