@@ -58,6 +58,14 @@ CASES = {  # name: (table layout, positions layout, reduction, dtype, Loss)
     "triton-backend-mean": ("shard", "plain", "mean", "float32", SMOOTHED),  # the Triton kernels per rank
     "module-mean": ("shard", "plain", "mean", "float32", SMOOTHED),  # CutBCEWithLogitsLoss
 }
+# Special rows of a sharded table (issue 46): excluded in place, the table never sliced (a slice of
+# a Shard(0) DTensor comes back Replicate(): the whole table gathered on every rank).
+SPECIAL_ROWS = {
+    "special-first-mean": tc.SpecialRows.first(2),
+    "special-inside-sum": tc.SpecialRows([0, 150, -1]),
+    "special-last-none": tc.SpecialRows.last(1),
+}
+CASES |= {name: ("shard", "plain", name.rsplit("-", 1)[1], "float32", SMOOTHED) for name in SPECIAL_ROWS}
 
 
 def cases_for(world: int) -> tuple[str, ...]:
@@ -108,6 +116,15 @@ def run_case(rank: int, world: int, name: str, mesh) -> dict:
                                           block_v=16, **loss.arguments())
         loss, metrics = loss_fn(leaves["hidden"], leaves["item_weight"], pos["targets"], leaves["bias"],
                                 weight=leaves["weight"])
+    elif name in SPECIAL_ROWS:  # no metrics: rows excluded in place of a sharded table refuse them
+        special = SPECIAL_ROWS[name]
+        catalog = tc.without_special_rows(leaves["item_weight"], pos["targets"], special, leaves["bias"])
+        kept = catalog.item_weight is leaves["item_weight"] and catalog.bias is leaves["bias"]
+        loss = tc.cut_bce_with_logits(
+            leaves["hidden"], leaves["item_weight"], pos["targets"], leaves["bias"], weight=leaves["weight"],
+            class_weight=tab["class_weight"], pos_weight=tab["pos_weight"], reduction=reduction, block_v=16,
+            **loss.arguments(), special_rows=special)
+        metrics = tc.CutBCEMetrics(*(torch.tensor([float(kept)]),) * 4)  # tp: the table kept as it lies
     else:
         loss, metrics = tc.cut_bce_with_logits(
             leaves["hidden"], leaves["item_weight"], pos["targets"], leaves["bias"], weight=leaves["weight"],

@@ -84,7 +84,9 @@ def client_batch(seed=0):
 def run_steps(model, numbers, **names) -> dict:
     """Executes the guide's blocks of steps `numbers` in one namespace; returns the namespace."""
     steps = guide_steps()
-    space = dict(model=model, torch=torch, torch_cutbce=torch_cutbce, F=F, np=np, math=math, **names)
+    space = dict(model=model, torch=torch, torch_cutbce=torch_cutbce, F=F, np=np, math=math,
+                 catalog_item_ids=np.arange(1, V + 1))  # the data's item ids (step 9)
+    space.update(names)
     for number in numbers:
         for block in steps[number]:
             exec(compile(block, f"{GUIDE.name} step {number}", "exec"), space)
@@ -179,6 +181,25 @@ def test_step_9_catches_what_the_loss_alone_misses():
     exec(compile(loss_check, "step 9 (loss)", "exec"), space)  # passes
     with pytest.raises(AssertionError, match="item_emb.weight"):
         exec(compile("names, params" + gradient_check, "step 9 (gradients)", "exec"), space)
+
+
+def test_step_9_fails_on_a_mask_row_scored_as_a_negative():
+    """Issue 45: a table with PAD (0) and MASK (1) rows, converted by the padding rule alone (steps
+    2-5 leave row 0 out, row 1 stays an item). Step 9's check, built from the catalog's own ids
+    (2..V), fails on the loss; the same check passes on the conversion that names both rows."""
+    seq, pos, _ = client_batch(seed=1)
+    seq, pos = (np.where(x == 1, 2, x) for x in (seq, pos))  # id 1 is MASK: never in the data
+    model = client_model()
+    steps, catalog = guide_steps(), np.arange(2, V + 1)
+    space = run_steps(model, [1, 2, 3, 5], seq=seq, pos=pos, catalog_item_ids=catalog)
+    loss_check = steps[9][0].split("\nnames, params")[0]
+    with pytest.raises(AssertionError, match="not close"):
+        exec(compile(loss_check, "step 9 (loss)", "exec"), space)
+    special = torch_cutbce.SpecialRows.first(2)
+    space["loss"] = torch_cutbce.cut_bce_with_logits(
+        space["hidden"], model.item_emb.weight, space["pos"][..., None], model.item_bias[1:], weight=space["real"],
+        reduction="sum", special_rows=special) / space["real"].sum()  # the bias of rows 2..V: [V - 1] items
+    exec(compile(steps[9][0], "step 9", "exec"), space)
 
 
 def test_step_9_floor_is_for_gradients_that_are_zero_in_truth():

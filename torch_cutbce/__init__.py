@@ -5,7 +5,7 @@ from torch_cutbce.engines import resolved_backend
 from torch_cutbce.functional import BACKENDS, cut_bce_with_logits
 from torch_cutbce.metrics import CutBCEMetrics
 from torch_cutbce.module import CutBCEWithLogitsLoss
-from torch_cutbce.padding_row import CatalogArguments, without_padding_row
+from torch_cutbce.special_rows import CatalogArguments, SpecialRows, without_padding_row, without_special_rows
 from torch_cutbce.reference import dense_bce_with_logits
 from torch_cutbce.targets import ids_to_multi_hot, multi_hot_to_ids
 from torch_cutbce.topk import full_catalog_topk
@@ -23,6 +23,8 @@ __all__ = [
     "full_catalog_topk",
     "ids_to_multi_hot",
     "multi_hot_to_ids",
+    "SpecialRows",
     "resolved_backend",
     "without_padding_row",
+    "without_special_rows",
 ]

@@ -14,6 +14,7 @@ from torch_cutbce.engines import BACKENDS  # noqa: F401  (re-exported by torch_c
 from torch_cutbce.metrics import CutBCEMetrics
 from torch_cutbce.reduction import reduce_rows
 from torch_cutbce.route import Route, VocabParallelOptions
+from torch_cutbce.special_rows import SpecialRows, catalog_of
 
 
 def _padded_positions_dropped(hidden, targets, weight, num_items):
@@ -52,6 +53,7 @@ def cut_bce_with_logits(
     vocab_parallel: VocabParallelOptions | None = None,
     focal: Focal | None = None,
     label_smoothing: float = 0.0,
+    special_rows: SpecialRows | None = None,
 ):
     """`BCEWithLogitsLoss(hidden @ item_weight.T + bias, multi_hot(targets))` without building the logits.
 
@@ -101,12 +103,40 @@ def cut_bce_with_logits(
       label_smoothing: eps in [0, 1]: each element's target becomes `y (1 - eps) + eps / 2`
         (Keras' `label_smoothing`; with focal, `BinaryFocalCrossentropy`'s). `pos_weight` scales a
         positive's whole term, as under focal. Exact on every backend.
+      special_rows: a `SpecialRows` naming the rows of `item_weight` that are not items (PAD, MASK,
+        ...), or None (every row is an item). They are never scored and get exactly 0 gradient;
+        `targets` are then rows of the whole table (special rows' ids are no target), `bias`,
+        `class_weight` and `pos_weight` are `[V]` (the items) or `[R]` (the table's rows), and 'mean'
+        divides by N x V, the real items. No copy of the table (`torch_cutbce.without_special_rows`);
+        not with `vocab_parallel=` (give each rank its slice of the items).
 
     Returns:
       The loss (float32, also for float16 / bfloat16 inputs; float64 for float64 inputs), or
       `(loss, CutBCEMetrics)`. Gradients come back in each input's dtype. The native backend's
       gradients are not differentiable again (double backward raises a RuntimeError).
     """
+    if special_rows is None:
+        return _loss(hidden, item_weight, targets, bias, weight, class_weight, pos_weight, reduction, return_metrics,
+                     block_v, backend, mesh, vocab_axis, data_axis, vocab_parallel, focal, label_smoothing)
+    if vocab_parallel is not None:
+        raise ValueError("special_rows= with vocab_parallel=: each rank's table is a slice of the items, so "
+                         "leave the special rows out of the slices (torch_cutbce.without_special_rows on the "
+                         "whole table gives the items) and drop special_rows=")
+    catalog, excluded = catalog_of(item_weight, targets, special_rows, bias, class_weight=class_weight,
+                                   pos_weight=pos_weight, metrics=return_metrics)
+    out = _loss(hidden, catalog.item_weight, catalog.targets, catalog.bias, weight, catalog.class_weight,
+                catalog.pos_weight, reduction, return_metrics, block_v, backend, mesh, vocab_axis, data_axis, None,
+                focal, label_smoothing, mean_items=catalog.num_items)
+    if not return_metrics or excluded is None:
+        return out
+    loss, metrics = out  # the excluded rows' logits were counted (fp or tn) like any column's
+    return loss, excluded.remove_from(metrics, hidden, weight, reduction)
+
+
+def _loss(hidden, item_weight, targets, bias, weight, class_weight, pos_weight, reduction, return_metrics,
+          block_v, backend, mesh, vocab_axis, data_axis, vocab_parallel, focal, label_smoothing, mean_items=None):
+    """`cut_bce_with_logits` over every row of `item_weight`; 'mean' divides by N x `mean_items`
+    (default: the rows)."""
     arguments.check_not_under_torch_func(dict(hidden=hidden, item_weight=item_weight, bias=bias, weight=weight))
     # DTensors: their placements first (the clearest message), then the rules on their global
     # shapes; each rank computes with its local parts (`torch_cutbce.distributed`).
@@ -135,6 +165,7 @@ def cut_bce_with_logits(
     lead_shape = hidden.shape[:-1]  # this rank's positions under a layout
     n = lead_shape.numel()
     num_items = size.num_items if vocab_parallel is None else vocab_parallel.num_items  # the global V
+    num_items = num_items if mean_items is None else mean_items  # excluded rows are no items
     hidden, targets = hidden.reshape(n, size.hidden_size), targets.reshape(n, targets.shape[-1])
     w = None if weight is None else weight.reshape(n)
     kept = None

@@ -11,6 +11,7 @@ from cutbce_common.shapes import AxisName, check_block_v, check_reduction
 from torch_cutbce.engines import check_backend, check_parallel_options
 from torch_cutbce.functional import cut_bce_with_logits
 from torch_cutbce.route import VocabParallelOptions
+from torch_cutbce.special_rows import SpecialRows
 
 
 class CutBCEWithLogitsLoss(nn.Module):
@@ -41,6 +42,7 @@ class CutBCEWithLogitsLoss(nn.Module):
         vocab_axis: AxisName = "model",
         data_axis: AxisName = "data",
         vocab_parallel: VocabParallelOptions | None = None,
+        special_rows: SpecialRows | None = None,
     ):
         super().__init__()
         # Checked here too, so a bad option fails where it is written, not at the first step: by
@@ -57,6 +59,10 @@ class CutBCEWithLogitsLoss(nn.Module):
         self.vocab_axis = vocab_axis
         self.data_axis = data_axis
         self.vocab_parallel = vocab_parallel
+        if special_rows is not None and not isinstance(special_rows, SpecialRows):
+            raise TypeError(f"special_rows: expected a torch_cutbce.SpecialRows or None, "
+                            f"got {type(special_rows).__name__}")
+        self.special_rows = special_rows
         self.register_buffer("pos_weight", pos_weight)
         self.register_buffer("class_weight", class_weight)
 
@@ -67,6 +73,7 @@ class CutBCEWithLogitsLoss(nn.Module):
             reduction=self.reduction, return_metrics=self.return_metrics,
             block_v=self.block_v, backend=self.backend, **self.loss.arguments(), mesh=self.mesh,
             vocab_axis=self.vocab_axis, data_axis=self.data_axis, vocab_parallel=self.vocab_parallel,
+            special_rows=self.special_rows,
         )
 
     def extra_repr(self) -> str:
@@ -79,4 +86,6 @@ class CutBCEWithLogitsLoss(nn.Module):
         if self.vocab_parallel is not None:
             o = self.vocab_parallel
             parts.append(f"vocab_parallel=VocabParallelOptions(start={o.start}, stop={o.stop}, num_items={o.num_items})")
+        if self.special_rows is not None:
+            parts.append(f"special_rows={self.special_rows}")
         return ", ".join(parts)

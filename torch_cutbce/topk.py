@@ -13,6 +13,7 @@ import torch
 
 from cutbce_common.shapes import tile_width
 from torch_cutbce.positives import accumulation_dtype
+from torch_cutbce.special_rows import SpecialRows
 
 
 def _exclude_in_tile(scores: torch.Tensor, exclude: torch.Tensor, start: int) -> torch.Tensor:
@@ -62,19 +63,25 @@ def full_catalog_topk(
     *,
     block_v: int | None = None,
     exclude: torch.Tensor | None = None,
+    special_rows: SpecialRows | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k items of `hidden @ item_weight.T + bias` without building the `[N, V]` scores.
 
     Args:
       hidden: `[*S, D]` float (N = prod(S) positions).
-      item_weight: `[V, D]`, the item table used by the loss (same device).
+      item_weight: `[V, D]`, the item table used by the loss (same device); with `special_rows`, the
+        whole table `[R, D]`.
       k: how many items to return per position, 1 <= k <= V.
-      bias: `[V]` or None.
+      bias: `[V]` or None; with `special_rows`, `[V]` (the items) or `[R]` (the table's rows).
       block_v: vocabulary tile width (default: a ~16 MiB float32 `[N, block_v]` tile); any value
         >= 1 works, it need not divide V. Tiles narrower than k are widened to k.
       exclude: `[*S, X]` integer item ids to leave out per position (the items a user has already
         seen, say), padded with negative ids; ids >= V are ignored. Excluded items score -inf, so
         they come last and appear in the result only when fewer than k items remain.
+      special_rows: a `SpecialRows` naming the rows of the table that are not items (PAD, MASK,
+        ...), or None. They are never returned; ids (of the result and of `exclude`) are then rows of
+        the whole table, the model's own ids. The items between them are scored as views of the
+        table (no copy).
 
     Returns:
       `(scores, ids)`, each `[*S, k]`, best first; scores are float32 (float64 for float64
@@ -86,13 +93,17 @@ def full_catalog_topk(
             f"hidden must be [*S, D] and item_weight [V, D] with the same D, got shapes "
             f"{tuple(hidden.shape)} and {tuple(item_weight.shape)}"
         )
-    num_items = item_weight.shape[0]
+    rows = item_weight.shape[0]
+    segments = _item_segments(special_rows, rows)  # [(first row, stop row, first item)]: runs of items
+    num_items = sum(stop - start for start, stop, _ in segments)
     if not 1 <= k <= num_items:
         raise ValueError(f"k must be in [1, V={num_items}], got {k=}")
     if block_v is not None and block_v < 1:
         raise ValueError(f"block_v must be >= 1, got {block_v=}")
-    if bias is not None and tuple(bias.shape) != (num_items,):
-        raise ValueError(f"bias must have shape [V]=[{num_items}], got {tuple(bias.shape)}")
+    if bias is not None and tuple(bias.shape) not in ((num_items,), (rows,)):
+        wanted = f"[V]=[{num_items}]" + ("" if rows == num_items else f" or [R]=[{rows}] (the table's rows)")
+        raise ValueError(f"bias must have shape {wanted}, got {tuple(bias.shape)}")
+    per_row_bias = bias is not None and bias.shape[0] == rows
     lead = tuple(hidden.shape[:-1])
     h = hidden.reshape(-1, hidden.shape[-1])
     if exclude is not None:
@@ -108,23 +119,40 @@ def full_catalog_topk(
 
     check_ties = h.device.type != "xla"
     best_scores = best_ids = None
-    for start in range(0, num_items, block_v):
-        stop = min(start + block_v, num_items)
-        scores = h @ item_weight[start:stop].to(acc).T
-        if bias is not None:
-            scores = scores + bias[start:stop].to(acc)
-        if exclude is not None:
-            scores = _exclude_in_tile(scores, exclude, start)
-        tile_k = min(k, stop - start)
-        tile_scores, tile_cols = _tile_topk(scores, tile_k, check_ties)
-        tile_ids = tile_cols + start
-        if best_scores is None:
-            cand_scores, cand_ids = tile_scores, tile_ids
-        else:
-            # Earlier tiles hold lower ids and come first, so a stable sort keeps "lower id first"
-            # among equal scores across tiles too.
-            cand_scores = torch.cat([best_scores, tile_scores], dim=1)
-            cand_ids = torch.cat([best_ids, tile_ids], dim=1)
-        order = torch.sort(cand_scores, dim=1, descending=True, stable=True).indices[:, :k]
-        best_scores, best_ids = cand_scores.gather(1, order), cand_ids.gather(1, order)
+    for seg_start, seg_stop, first_item in segments:
+        for start in range(seg_start, seg_stop, block_v):
+            stop = min(start + block_v, seg_stop)
+            scores = h @ item_weight[start:stop].to(acc).T
+            if bias is not None:
+                b0 = start if per_row_bias else first_item + start - seg_start
+                scores = scores + bias[b0:b0 + stop - start].to(acc)
+            if exclude is not None:
+                scores = _exclude_in_tile(scores, exclude, start)
+            tile_k = min(k, stop - start)
+            tile_scores, tile_cols = _tile_topk(scores, tile_k, check_ties)
+            tile_ids = tile_cols + start
+            if best_scores is None:
+                cand_scores, cand_ids = tile_scores, tile_ids
+            else:
+                # Earlier tiles hold lower ids and come first, so a stable sort keeps "lower id first"
+                # among equal scores across tiles too.
+                cand_scores = torch.cat([best_scores, tile_scores], dim=1)
+                cand_ids = torch.cat([best_ids, tile_ids], dim=1)
+            order = torch.sort(cand_scores, dim=1, descending=True, stable=True).indices[:, :k]
+            best_scores, best_ids = cand_scores.gather(1, order), cand_ids.gather(1, order)
     return best_scores.reshape(*lead, k), best_ids.reshape(*lead, k)
+
+
+def _item_segments(special_rows: SpecialRows | None, rows: int) -> list[tuple[int, int, int]]:
+    """The runs of item rows between the special rows: `(first row, stop row, index of its first item)`."""
+    if special_rows is None:
+        return [(0, rows, 0)]
+    if not isinstance(special_rows, SpecialRows):
+        raise TypeError(f"special_rows: expected a torch_cutbce.SpecialRows or None, got {type(special_rows).__name__}")
+    segments, start, items = [], 0, 0
+    for r in (*special_rows.resolve(rows).special, rows):
+        if r > start:
+            segments.append((start, r, items))
+            items += r - start
+        start = r + 1
+    return segments

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from torch_cutbce.functional import cut_bce_with_logits
-from torch_cutbce.padding_row import without_padding_row
+from torch_cutbce.special_rows import without_padding_row
 
 # Set by CutBCE itself from RePlay's batch; every other keyword of cut_bce_with_logits may be given.
 _SET_HERE = {"hidden", "item_weight", "targets", "bias", "weight", "reduction", "return_metrics"}
