@@ -40,4 +40,4 @@ fi
 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} "$venv/bin/python" -m pytest -q -p no:cacheprovider --durations=5 \
   tests/test_integrations_rectools.py \
   tests/test_reference.py tests/test_branch_math.py tests/test_neutral_options.py tests/test_torch_native.py \
-  tests/test_torch_engines.py tests/test_torch_topk.py tests/test_padding_row.py tests/test_conformance_torch.py "$@"
+  tests/test_torch_engines.py tests/test_torch_topk.py tests/test_special_rows.py tests/test_conformance_torch.py "$@"

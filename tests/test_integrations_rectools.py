@@ -27,7 +27,7 @@ from rectools import Columns  # noqa: E402
 from rectools.dataset import Dataset  # noqa: E402
 from rectools.models import BERT4RecModel, SASRecModel  # noqa: E402
 
-from torch_cutbce import cut_bce_with_logits  # noqa: E402
+from torch_cutbce import SpecialRows, cut_bce_with_logits  # noqa: E402
 from torch_cutbce.integrations.rectools import CutBCEModule  # noqa: E402
 
 MODELS = {"sasrec": SASRecModel, "bert4rec": BERT4RecModel}
@@ -130,12 +130,13 @@ def test_the_truth_fails_on_the_traps():
         hidden = module.torch_model.encode_sessions(batch, table)
         y, yw, bias = batch["y"], batch["yw"].double(), module.item_bias
         real = y >= 2
-        right = cut_bce_with_logits(hidden, table[2:], torch.where(real, y - 2, -1)[..., None], bias,
-                                    weight=yw * real, reduction="sum") / real.sum()
-        mask_scored = cut_bce_with_logits(hidden, table[1:], torch.where(real, y - 1, -1)[..., None],
-                                          torch.cat([bias.new_zeros(1), bias]), weight=yw * real,
-                                          reduction="sum") / real.sum()
-        yw_as_mask = cut_bce_with_logits(hidden, table[2:], torch.where(real, y - 2, -1)[..., None], bias,
+        first = dict(weight=yw * real, reduction="sum")
+        right = cut_bce_with_logits(hidden, table, y[..., None], bias, special_rows=SpecialRows.first(2),
+                                    **first) / real.sum()
+        # The padding rule alone: PAD left out, MASK scored as an item (its bias 0).
+        mask_scored = cut_bce_with_logits(hidden, table, y[..., None], torch.cat([bias.new_zeros(2), bias]),
+                                          special_rows=SpecialRows.first(1), **first) / real.sum()
+        yw_as_mask = cut_bce_with_logits(hidden, table, y[..., None], bias, special_rows=SpecialRows.first(2),
                                          weight=yw, reduction="sum") / real.sum()
     assert abs(float(right - truth)) <= 1e-12 * float(truth)
     assert abs(float(mask_scored - truth)) > 1e-3 * float(truth)

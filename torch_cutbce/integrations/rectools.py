@@ -44,6 +44,7 @@ from rectools.models.rank import Distance, TorchRanker
 from torch import nn
 
 from torch_cutbce.functional import cut_bce_with_logits
+from torch_cutbce.special_rows import SpecialRows
 
 LOSS_NAME = "cutbce"
 # Set here from RecTools' batch; every other keyword of cut_bce_with_logits may go in `options`.
@@ -60,9 +61,8 @@ def batch_loss(hidden: torch.Tensor, table: torch.Tensor, y: torch.Tensor, yw: t
     `y`, times `yw`, divided by the number of those positions."""
     real = y >= n_special  # PAD (0) and MASK are no target; BERT4Rec's unmasked positions have y = 0
     weight = yw.to(hidden.dtype) * real
-    n = n_special  # PROTOTYPE until main's SpecialRows lands: the view table[n:], ids shifted
-    targets = torch.where(real, y - n, -1)[..., None]  # [B, T, 1]: one label per position
-    loss = cut_bce_with_logits(hidden, table[n:], targets, bias, weight=weight, reduction="sum", **options)
+    loss = cut_bce_with_logits(hidden, table, y[..., None], bias, weight=weight, reduction="sum",  # one label each
+                               special_rows=SpecialRows.first(n_special), **options)
     return loss / real.sum().clamp_min(1)
 
 
