@@ -84,6 +84,8 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--skip-cutbce-above", type=int, default=None,
                         help="compute nothing for CutBCE above this V either (a quick run); default: run it at every V")
+    parser.add_argument("--softmax-bytes", type=float, default=SOFTMAX_BYTES,
+                        help="the softmax's bytes per position-item element until one V is measured (a run of one large V)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.rounds < 1 or min(args.num_items) < 1:
@@ -99,7 +101,7 @@ def main(argv=None) -> None:
         batch = batch_for(num_items)
         m = int((batch["y"] > 0).sum())
         runs = {"softmax": rectools_softmax, "cutbce": cutbce}
-        predicted = (per_element or SOFTMAX_BYTES) * B * T * (num_items + 1)
+        predicted = (per_element or args.softmax_bytes) * B * T * (num_items + 1)
         if predicted > 0.8 * available_bytes():
             del runs["softmax"]
         if args.skip_cutbce_above is not None and num_items > args.skip_cutbce_above:
@@ -118,8 +120,9 @@ def main(argv=None) -> None:
         if "softmax" in runs:
             per_element = peaks["softmax"] / (B * T * (num_items + 1))
         else:
+            source = "measured at the last V" if per_element else "--softmax-bytes"
             cells["softmax"] = (f"not run: would need about {predicted / (1 << 30):.0f} GiB "
-                                f"({per_element or SOFTMAX_BYTES:.1f} B per position-item, measured at the last V)")
+                                f"({per_element or args.softmax_bytes:.1f} B per position-item, {source})")
         ratio = f"{ms['softmax'] / ms['cutbce']:.1f}x" if len(ms) == 2 else ""
         line = f"| {num_items:,} | {m:,} | {cells['softmax']} | {cells.get('cutbce', 'not run (--skip-cutbce-above)')} | {ratio} |"
         print(line, flush=True)
