@@ -15,7 +15,7 @@ Plain float32 tiles on the CPU run one of three candidates (`TILES`): by default
 `cutbce_common/cpu_tile.c` (built once per machine, under a second; one pass that may write dz
 over z: `writes_grad_in_place`), with nothing timed and nothing compiled by torch.compile in the
 process. The `torch.compile`d version or the eager twin runs instead where `TORCH_CUTBCE_TILE` says
-so, where `python -m torch_cutbce.native.tune_tiles` measured it faster over the whole forward + backward
+so, where `python -m torch_cutbce.tune_tiles` measured it faster over the whole forward + backward
 (`_tuned_cpu_tile`, `cutbce_common/tile_choice.py`), or where the kernel cannot be built
 (torch.compile's tile with a C++ compiler, else eager). Other float32 tiles (CUDA, any other `Loss`)
 run the `torch.compile`d version (one vectorized loop per function) with log1p as a polynomial
@@ -294,7 +294,7 @@ def _plain_cpu_tile() -> str:
 
 @functools.cache
 def _tuned_cpu_tile() -> tile_choice.Choice | None:
-    """The choice `python -m torch_cutbce.native.tune_tiles` cached for this kernel build and torch version
+    """The choice `python -m torch_cutbce.tune_tiles` cached for this kernel build and torch version
     (read once per process), or None: the C kernel."""
     return tile_choice.cached(tuned_path(), TILES)
 
