@@ -11,7 +11,7 @@ with `w [bv]` the tile's column weight. `NegativeTile(loss, cpu_kernel)` has
 
 On the CPU, float32 plain BCE runs the C kernel `cpu_tile.c` through XLA's FFI: one pass over the
 tile that writes dz over z, where XLA:CPU's own fusions read the tile several times and make the
-row sums a slow reduction (benchmarks/NOTES.md section 7). Nothing is timed on the first call: the
+row sums a slow reduction (benchmarks/results/cpu_speed.md, 'The tile kernel'). Nothing is timed on the first call: the
 kernel runs wherever its FFI wrapper builds, unless `python -m torch_cutbce.native.tune_tiles --framework jax` measured
 the jnp tile faster over the whole forward + backward on this machine (`_tuned_tile`; the command,
 which runs the entry above this module, is `torch_cutbce/tune_tiles.py`). Everywhere else

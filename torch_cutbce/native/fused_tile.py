@@ -22,7 +22,7 @@ run the `torch.compile`d version (one vectorized loop per function) with log1p a
 (`branch_math.log1p_tail`, 4e-9 relative: Sleef's log1p costs about 4 exps); everything else runs the
 eager twin (float64, a side of length 1, `TORCH_CUTBCE_NO_COMPILE=1`, no compiler). Rows are summed
 exactly at any width (`_row_sum`, `_eager_weighted_sum`). Why each choice, with timings:
-benchmarks/NOTES.md sections 1, 7 and 12, docs/performance.md ('First call and tile choice').
+benchmarks/results/cpu_speed.md, 'The tile kernel', docs/performance.md ('First call and tile choice').
 Each slow first-call step says so before it starts, as a `TileCompileWarning` naming the caller's line
 (docs/install.md, 'What the first call says').
 """
@@ -335,7 +335,7 @@ def _compiled(name: str, threads: int, form: Form | None = None):
     # one-thread process would be served, single-threaded, to every later process. Stated
     # explicitly, it is part of the key (and a new thread count compiles anew).
     # fp-contract: the C++ compiler fuses the polynomials' multiply-adds into FMAs (one rounding
-    # instead of two, so no less exact): about 10% off the tile function (benchmarks/NOTES.md section 7).
+    # instead of two, so no less exact): about 10% off the tile function (benchmarks/results/cpu_speed.md).
     options = {"cpp.threads": threads, "cpp.enable_floating_point_contract_flag": "fast"}
     return torch.compile(_tile_function(name, form), dynamic=True, fullgraph=True, options=options)
 
