@@ -10,6 +10,7 @@
 #   bash ci/main.sh --multi-label   # also CutBCE on the next 8 items (--k 8), the multi-label
 #                                   # setting, as its own row against CutBCE on the next item: one
 #                                   # more CutBCE training, so the job takes about 1.8x as long
+#   CUTBCE_MAIN_FLAGS="--epochs 1" bash ci/main.sh   # a short smoke run (flags go to every training)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 multi_label=0
