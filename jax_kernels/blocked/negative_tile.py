@@ -12,7 +12,7 @@ with `w [bv]` the tile's column weight. `NegativeTile(loss, cpu_kernel)` has
 On the CPU, float32 plain BCE runs the C kernel `cpu_tile.c` through XLA's FFI: one pass over the
 tile that writes dz over z, where XLA:CPU's own fusions read the tile several times and make the
 row sums a slow reduction (benchmarks/results/cpu_speed.md, 'The tile kernel'). Nothing is timed on the first call: the
-kernel runs wherever its FFI wrapper builds, unless `python -m torch_cutbce.native.tune_tiles --framework jax` measured
+kernel runs wherever its FFI wrapper builds, unless `python -m torch_cutbce.tune_tiles --framework jax` measured
 the jnp tile faster over the whole forward + backward on this machine (`_tuned_tile`; the command,
 which runs the entry above this module, is `torch_cutbce/tune_tiles.py`). Everywhere else
 (GPU, TPU lowering, float64, another `Loss`, the torch_xla bridge, no C++ compiler,
@@ -71,7 +71,7 @@ def tuned_path():
 
 @functools.cache
 def _tuned_tile() -> str:
-    """The tile `python -m torch_cutbce.native.tune_tiles --framework jax` cached for this build and jax version (read
+    """The tile `python -m torch_cutbce.tune_tiles --framework jax` cached for this build and jax version (read
     once per process), else the C kernel."""
     choice = tile_choice.cached(tuned_path(), TILES)
     return tile_choice.DEFAULT if choice is None else choice.name
