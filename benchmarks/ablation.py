@@ -1,4 +1,4 @@
-"""Before / after for each speed change of the native and JAX blocked paths (NOTES.md sections 1-4).
+"""Before / after for each speed change of the native and JAX blocked paths (benchmarks/results/cpu_speed.md).
 
     .venv/bin/python benchmarks/ablation.py                  # N=4096 D=64 V=32768 float32, 5 rounds
     .venv/bin/python benchmarks/ablation.py --parts jax --threads 1 --rounds 3

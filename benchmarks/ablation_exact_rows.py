@@ -6,7 +6,7 @@
 "Before" is commit c6712c3's engines (softplus(z) summed over every item, z subtracted at the
 positives), imported through `at_commit`; "after" is the working tree's public entries. Interleaved
 rounds, medians, 'mean' forward + backward, each path also against its own framework's three-matmul
-floor (NOTES.md section 7).
+floor (benchmarks/results/cpu_speed.md, 'Exact rows').
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@
 
 `--isa avx2` builds the C kernel for x86-64-v3 and caps torch, MKL and oneDNN at AVX2 before torch
 is imported: the code an AVX2-only CPU runs, on cores that have more. Each run appends its table,
-with the host, ISA, threads, commit and command, to `--out` (results/cpu_tile_isa.txt; NOTES.md
-section 12).
+with the host, ISA, threads, commit and command, to `--out` (results/cpu_tile_isa.txt; summed up in
+results/cpu_speed.md, 'The tile kernel').
 """
 
 from __future__ import annotations

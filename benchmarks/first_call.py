@@ -14,7 +14,7 @@ torch.compile compiled (nothing by default), with the host CPU (lscpu's model na
 /proc/cpuinfo lists avx512f); appended to results/first_call.txt. The target (issue 32): the first
 call under 5 s with a compiler present (docs/performance.md, 'First call and tile choice').
 
-The older measurement, torch.compile's tile at N 4096, V 32,768, D 64, L 8 (NOTES.md section 10),
+The older measurement, torch.compile's tile at N 4096, V 32,768, D 64, L 8 (benchmarks/results/cpu_speed.md, 'Padded positions, the first call, threads'),
 is the `cold` / `warm` mode; it forces `TORCH_CUTBCE_TILE=compiled` unless the variable is set (the
 default tile compiles nothing):
 
@@ -162,7 +162,7 @@ def empty_cache_runs(args) -> None:
 
 
 def compiled_tile_first_call(label: str) -> None:
-    """The older mode: torch.compile's tile at N 4096, V 32,768 in this process (NOTES.md section 10)."""
+    """The older mode: torch.compile's tile at N 4096, V 32,768 in this process (benchmarks/results/cpu_speed.md, 'Padded positions, the first call, threads')."""
     os.environ.setdefault("TORCH_CUTBCE_TILE", "compiled")
     sys.path.insert(0, str(HERE))
     start = time.perf_counter()

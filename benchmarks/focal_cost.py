@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/focal_cost.py        # N 4096, V 32,768, D 64, L 8, float32, 'mean'
 
 Interleaved rounds, medians, on the native path and the jitted JAX blocked loop: plain, focal
-gamma 2 (Keras' default), gamma 2 with class balancing, gamma 0.5 (NOTES.md section 11). Memory
+gamma 2 (Keras' default), gamma 2 with class balancing, gamma 0.5 (benchmarks/results/cpu_speed.md, 'Focal'). Memory
 flat in V: `benchmarks/memory_check.py --focal-gamma 2`.
 """
 

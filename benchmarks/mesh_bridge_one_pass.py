@@ -5,7 +5,7 @@
 Simulated CPU devices (CPU_NUM_DEVICES), the table split along V on 'model' and the positions
 along 'data'; interleaved rounds, medians of one step. Two passes is the route 'mean' took before
 (`jax_bridge/xla.py`'s `cut_bce_rows`, then the rows' reduction), one pass `cut_bce_with_logits(mesh=)` with
-the gradients from the forward; both must give the same loss and gradients (NOTES.md section 10).
+the gradients from the forward; both must give the same loss and gradients (benchmarks/results/cpu_speed.md, 'The bridge and the mesh').
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 The shape of a popular PyTorch SASRec on Amazon Video Games, the next item as the target, 'sum'
 with `weight=mask` as such code writes it. Interleaved rounds, medians of forward + backward: every
 position computed (before), the shipped entry that drops padded positions, and the real rows
-selected by hand, the lower bound (NOTES.md section 10).
+selected by hand, the lower bound (benchmarks/results/cpu_speed.md, 'Padded positions, the first call, threads').
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ Each cell compiles `jax.value_and_grad` of `cut_bce(impl='pallas')` or of optax'
 materialized logits with libtpu's compile-only client, one subprocess per cell, and appends XLA's
 per-chip memory analysis to results/tpu_hbm.csv; a program that does not fit is a result (status
 `oom`, with the HBM the compiler asks for). Then it writes results/tpu_hbm.md and .png. Cells,
-columns and times: benchmarks/README.md, 'HBM per TPU chip'.
+columns and times: benchmarks/README.md, 'Compiled for TPU without a TPU'.
 """
 
 from __future__ import annotations

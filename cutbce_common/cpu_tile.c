@@ -7,7 +7,7 @@
  * and gets gradient 0 (even for an infinite g cw); NaN gives NaN; z = +inf gives loss inf and
  * gradient g cw.
  *
- * Why a hand-written kernel (benchmarks/NOTES.md section 7): one read of the tile gives the rows
+ * Why a hand-written kernel (benchmarks/results/cpu_speed.md, 'The tile kernel'): one read of the tile gives the rows
  * and the gradient, and the gradient may be written over the logits (dz == z), so the tile's
  * matmuls that follow read the buffer the logits matmul just wrote, as the matmul floor does.
  * torch.compile's C++ makes two passes for that aliasing, XLA:CPU several.

@@ -2,7 +2,7 @@
 
 By default the C kernel runs wherever it builds: the first call times nothing and compiles nothing
 beyond the kernel's own build. Choosing another tile is an explicit, repeatable command,
-`python -m torch_cutbce.native.tune_tiles` (docs/performance.md, 'First call and tile choice'): it runs
+`python -m torch_cutbce.tune_tiles` (docs/performance.md, 'First call and tile choice'): it runs
 the whole forward + backward with each candidate, in interleaved rounds (`interleaved_medians`),
 keeps the fastest by the medians (`fastest`) and writes the choice beside the kernel's build
 (`cache_path`: keyed as the build is, by sources, flags, compiler and CPU, and by the framework's
@@ -29,7 +29,7 @@ ROUNDS = 5
 # What a cache file must say it measured to be read: files of the earlier timing on the first call
 # (one [1024, 1024] tile, one sample, `<library>.<framework>-<version>.json`) are never read.
 METHOD = "forward+backward, interleaved rounds, medians"
-TUNE_COMMAND = "python -m torch_cutbce.native.tune_tiles"
+TUNE_COMMAND = "python -m torch_cutbce.tune_tiles"
 logger = logging.getLogger("torch_cutbce.tiles")
 
 

@@ -1,16 +1,19 @@
-"""Two training runs on the same test users: their metrics, and the difference with its uncertainty.
+"""Training runs on the same test users: their metrics, and the difference with its uncertainty.
 
     python examples/compare.py runs/ci-default/cutbce runs/ci-default/sampled
+    python examples/compare.py runs/ci-default/cutbce runs/ci-default/sampled --also runs/ci-default/cutbce-k8
 
 Reads each run's `metrics.json` and `test_users.npz` (every test user's metrics, written by
-examples/train.py) and prints both runs beside the popularity baseline, then, per metric, the
-difference A minus B of the means with a 95% paired bootstrap interval over the test users. The
-two runs rank the same users, so the difference is taken user by user before resampling: what both
-models find easy or hard cancels, and the interval is that of the difference, not of each run.
+examples/train.py) and prints the runs beside the popularity baseline and the target each trained
+on, then, per metric, the difference A minus B of the means with a 95% paired bootstrap interval
+over the test users (and, for each `--also` run, that run minus A). The runs rank the same users,
+so the difference is taken user by user before resampling: what both models find easy or hard
+cancels, and the interval is that of the difference, not of each run.
 
 The interval says how far the choice of test users could move the difference between these two
-trained models. It does not cover retraining with another seed, which moves both runs as well
-(examples/RESULTS.md keeps the seeds behind each claim). An interval that contains 0 is a tie.
+trained models. It does not cover retraining with another seed, which moves both runs as well.
+An interval that contains 0 is a tie. A and B are compared like with like only when they trained
+on the same target; the header says whether they did.
 """
 
 from __future__ import annotations
@@ -63,12 +66,30 @@ def verdict(low: float, high: float, a: str, b: str) -> str:
     return "tie: the interval contains 0"
 
 
+def target(cfg: dict) -> str:
+    """What a run's loss was trained to score as positive, from its configuration."""
+    if cfg["model"] == "bert4rec":
+        labels = cfg.get("bert_labels", 1)
+        return "the masked item" if labels == 1 else f"the masked item and the {labels - 1} after it"
+    if cfg["loss"] in ("sampled", "ce") or cfg["k"] == 1:
+        return "the next item"
+    return f"the next {cfg['k']} items"
+
+
 def label(metrics: dict) -> tuple[str, str]:
     """A run's row name for the table and its loss's short name, from its metrics.json."""
     cfg, loss = metrics["config"], metrics["config"]["loss"]
-    detail = {"sampled": f"{cfg['negatives']} negative" + ("s" if cfg["negatives"] > 1 else ""),
-              "ce": "full catalog, next item"}.get(loss, f"full catalog, k = {cfg['k']}")
+    wide = cfg["model"] == "sasrec" and target(cfg) != "the next item"
+    detail = {"sampled": "next item, " + f"{cfg['negatives']} negative" + ("s" if cfg["negatives"] > 1 else "")
+              }.get(loss, f"full catalog, next {cfg['k']} items: multi-label" if wide else "full catalog, next item")
+    if cfg["model"] == "bert4rec":
+        detail = "sampled" if loss == "sampled" else f"full catalog, {target(cfg)}"
     return f"{MODEL_NAMES[cfg['model']]} + {LOSS_NAMES[loss]} ({detail})", LOSS_NAMES[loss]
+
+
+# What a multi-label row is for, printed under the table when one is shown.
+MULTI_LABEL = ("multi-label: trained on the next k items as positives, for tasks whose answer is a set of coming\n"
+               "items (a basket, a session); scored here on the next item, as the other rows")
 
 
 def read_run(run_dir: Path, parser: argparse.ArgumentParser) -> tuple[dict, dict[str, np.ndarray]]:
@@ -85,33 +106,51 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_a", type=Path, help="the --out-dir of run A (differences are A minus B)")
     parser.add_argument("run_b", type=Path, help="the --out-dir of run B, on the same data")
+    parser.add_argument("--also", type=Path, nargs="+", default=[], metavar="RUN",
+                        help="more runs on the same users, each its own row and its difference from run A "
+                             "(the multi-label CutBCE run of bash ci/main.sh --multi-label, say)")
     parser.add_argument("--metrics", nargs="+", default=["HR@10", "NDCG@10"], help="metrics to compare")
     parser.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples")
     parser.add_argument("--seed", type=int, default=0, help="the bootstrap generator's seed")
     args = parser.parse_args(argv)
-    (a, users_a), (b, users_b) = read_run(args.run_a, parser), read_run(args.run_b, parser)
-    if any(a["data"][key] != b["data"][key] for key in SAME_USERS) or a["config"]["holdout"] != b["config"]["holdout"]:
-        parser.error(f"{args.run_a} and {args.run_b} did not test the same users (data {a['data']} vs {b['data']})")
-    missing = [name for name in args.metrics if name not in users_a or name not in users_b]
+    dirs = [args.run_a, args.run_b, *args.also]
+    runs = [read_run(run_dir, parser) for run_dir in dirs]
+    a = runs[0][0]
+    for run_dir, (other, _) in zip(dirs[1:], runs[1:]):
+        if (any(a["data"][key] != other["data"][key] for key in SAME_USERS)
+                or a["config"]["holdout"] != other["config"]["holdout"]):
+            parser.error(f"{args.run_a} and {run_dir} did not test the same users "
+                         f"(data {a['data']} vs {other['data']})")
+    missing = [name for name in args.metrics if any(name not in users for _, users in runs)]
     if missing or args.resamples < 1:
-        parser.error(f"--metrics {missing} not in both runs' test_users.npz" if missing else "--resamples must be >= 1")
-    (row_a, name_a), (row_b, name_b) = label(a), label(b)
-    if row_a == row_b:  # e.g. two seeds of one loss: name them by their folders
-        row_a, name_a = f"{row_a} [{args.run_a.name}]", f"{name_a} [{args.run_a.name}]"
-        row_b, name_b = f"{row_b} [{args.run_b.name}]", f"{name_b} [{args.run_b.name}]"
-    settings = [f"{run['config']['epochs']} epochs, seed {run['config']['seed']}" for run in (a, b)]
+        parser.error(f"--metrics {missing} not in every run's test_users.npz" if missing else "--resamples must be >= 1")
+    labels = [label(run) for run, _ in runs]
+    if len({row for row, _ in labels}) < len(labels):  # e.g. two seeds of one loss: name them by their folders
+        labels = [(f"{row} [{run_dir.name}]", f"{name} [{run_dir.name}]") for (row, name), run_dir in zip(labels, dirs)]
+    elif len({name for _, name in labels}) < len(labels):  # one loss on two targets: name them by the target
+        labels = [(row, f"{name} ({target(run['config'])})") for (row, name), (run, _) in zip(labels, runs)]
+    settings = {f"{run['config']['epochs']} epochs, seed {run['config']['seed']}" for run, _ in runs}
     print(f"\ntest split, full ranking of {a['data']['items']} items, "
-          + (f"{settings[0]} each:" if settings[0] == settings[1] else f"A {settings[0]}, B {settings[1]}:"))
-    print(f"{'':48} " + " ".join(f"{name:>8}" for name in args.metrics) + f" {'wall s':>7} {'CPU s':>6}")
-    for row, metrics, run in ((row_a, a["test"], a), (row_b, b["test"], b), ("popularity", a["popularity"]["test"], None)):
-        cost = f" {run['wall_s']:7.0f} {run['cpu_s']:6.0f}" if run else ""
-        print(f"{row:48} " + " ".join(f"{metrics[name]:8.4f}" for name in args.metrics) + cost)
-    print(f"\n{name_a} minus {name_b}, paired over the {len(users_a[args.metrics[0]])} test users "
-          f"(bootstrap, {args.resamples:,} resamples, seed {args.seed}; 95% interval):")
-    for name in args.metrics:
-        diff, low, high = paired_bootstrap(users_a[name], users_b[name], resamples=args.resamples, seed=args.seed)
-        print(f"  {name:8} {diff:+.4f}  [{low:+.4f}, {high:+.4f}]  {verdict(low, high, name_a, name_b)}")
-    print("The interval covers the choice of test users, not a retrain with another --seed (examples/RESULTS.md).")
+          + (f"{settings.pop()} each:" if len(settings) == 1 else "settings differ (see each metrics.json):"))
+    print(f"{'':56} " + " ".join(f"{name:>8}" for name in args.metrics) + f" {'wall s':>7} {'CPU s':>6}")
+    for (row, _), (run, _) in zip(labels, runs):
+        print(f"{row:56} " + " ".join(f"{run['test'][name]:8.4f}" for name in args.metrics)
+              + f" {run['wall_s']:7.0f} {run['cpu_s']:6.0f}")
+    print(f"{'popularity':56} " + " ".join(f"{a['popularity']['test'][name]:8.4f}" for name in args.metrics))
+    if any("multi-label" in row for row, _ in labels):
+        print(MULTI_LABEL)
+    targets = [target(run["config"]) for run, _ in runs[:2]]
+    print(f"\nA and B trained on the same target, {targets[0]}: like with like." if targets[0] == targets[1] else
+          f"\nNOT like with like: A trained on {targets[0]}, B on {targets[1]}.")
+    for first, second in ((0, 1), *((i, 0) for i in range(2, len(runs)))):  # A minus B, each --also minus A
+        (_, name_1), (_, name_2) = labels[first], labels[second]
+        users_1, users_2 = runs[first][1], runs[second][1]
+        print(f"\n{name_1} minus {name_2}, paired over the {len(users_1[args.metrics[0]])} test users "
+              f"(bootstrap, {args.resamples:,} resamples, seed {args.seed}; 95% interval):")
+        for name in args.metrics:
+            diff, low, high = paired_bootstrap(users_1[name], users_2[name], resamples=args.resamples, seed=args.seed)
+            print(f"  {name:8} {diff:+.4f}  [{low:+.4f}, {high:+.4f}]  {verdict(low, high, name_1, name_2)}")
+    print("The interval covers the choice of test users, not a retrain with another --seed.")
     return 0
 
 

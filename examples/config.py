@@ -58,7 +58,7 @@ class TrainConfig:
                                              "real positions (the per-position sum over all items); items = real "
                                              "positions x V; mean = reduction='mean', B x T x V, padded positions "
                                              "included. items and mean make gradients ~V times smaller, below "
-                                             "Adam's eps from V ~ 2e4 on (examples/RESULTS.md). --loss sampled: "
+                                             "Adam's eps from V ~ 2e4 on (benchmarks/results/ml100k.md). --loss sampled: "
                                              "always its own mean over real positions; --loss ce: the mean over "
                                              "real positions, i.e. positions only",
                                 choices=NORMALIZATIONS)

@@ -29,7 +29,7 @@ def bce_loss(hidden, item_weight, bias, targets, weight, pos_weight, cfg, mesh=N
     positions (the default): S / sum_n weight[n]; items: S / (sum_n weight[n] V), the mean over
     real positions and all items; mean: reduction='mean', S / (B T V), padded positions included.
     Under Adam a constant factor only moves the gradients against eps: items and mean put them
-    below eps = 1e-8 from V ~ 2e4 on (examples/RESULTS.md, 'Normalisation'). 'cutbce' never builds
+    below eps = 1e-8 from V ~ 2e4 on (benchmarks/results/ml100k.md, 'Normalisation'). 'cutbce' never builds
     the `[B, T, V]` logits; 'dense' is the code it replaces.
 
     Args:

@@ -70,9 +70,10 @@ def cut_bce(
         table (split along V on `vocab_axis`) and of the positions (split on `data_axis`); the
         table is never gathered. 'infer': the mesh of the inputs' `NamedSharding`, of a traced
         input, or of `jax.set_mesh`. None (default): one device. Works eagerly and under `jit`.
-      vocab_axis, data_axis: mesh axis names (or tuples of names); None keeps the table whole /
-        replicates the positions. They must not share an axis. Padding and collectives:
-        docs/distributed.md.
+      vocab_axis: the mesh axis name (or a tuple of names) the table is split on; None keeps the
+        table whole. Padding and collectives: docs/distributed.md.
+      data_axis: the mesh axis name (or names) the positions are split on; None replicates them.
+        It must not share an axis with `vocab_axis`.
       num_items: the catalog size V when `item_weight` has padding rows after it (a table sharded
         along V needs a row count the shards divide: 876,939 items on 4 shards are 876,940 rows):
         the extra rows get no loss and a zero gradient, 'mean' divides by N x num_items, and ids

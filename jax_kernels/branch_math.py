@@ -27,7 +27,7 @@ def log1p_unit(e):
     P(s) ~ atanh(sqrt(s)) / sqrt(s) is a degree-4 least-squares fit on s in [0, 1/9] (float64
     fit): relative error 4e-9 for every e, e -> 0 included, under float32's 6e-8. The coefficients
     are the C kernel's and torch_cutbce/branch_math.py's. XLA:CPU's log1p costs about 3x this
-    divide and five multiply-adds (benchmarks/NOTES.md).
+    divide and five multiply-adds (benchmarks/results/cpu_speed.md, 'The tile kernel').
     """
     t = e / (2 + e)
     s = t * t
@@ -73,8 +73,8 @@ def focal_factor(u, e, tail, gamma: float):
         sigmoid(u)^gamma = exp(-gamma tail - f max(-u, 0)) (e if u < 0 else 1)^k
 
     `exp(-gamma softplus(-u))` taken at once carries the rounding of `gamma |u|` into the result;
-    here e^k is k roundings and `f |u|` has f < 1 (the errors of both forms: benchmarks/NOTES.md
-    section 11). gamma is a static Python float; f = 0 leaves its term out (at u = -inf, a
+    here e^k is k roundings and `f |u|` has f < 1 (the errors of both forms: benchmarks/results/cpu_speed.md,
+    'Focal'). gamma is a static Python float; f = 0 leaves its term out (at u = -inf, a
     positive taken out of its tile, 0 * inf would be NaN; there e = 0 and the factor is 0).
     """
     k = int(gamma)

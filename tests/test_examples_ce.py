@@ -136,7 +136,7 @@ TINY = ["--dataset", "synthetic", "--synthetic-items", "300", "--synthetic-users
 
 
 def test_step_cost_times_each_loss_beside_a_free_step(capsys):
-    """examples/step_cost.py (examples/RESULTS.md's step costs): every loss and 'free' timed, interleaved."""
+    """examples/step_cost.py (benchmarks/results/ml100k.md, 'CutBCE vs full-softmax cross-entropy'): every loss and 'free' timed, interleaved."""
     from examples import step_cost
 
     cfg = tiny_config(Path("unused"), batch_size=16, loss="cutbce")

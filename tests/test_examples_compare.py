@@ -65,12 +65,13 @@ def test_bad_inputs_are_refused(a, b, kwargs):
 
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory):
-    """Tiny CutBCE and sampled-BCE runs on the same synthetic users."""
+    """Tiny runs on the same synthetic users, as bash ci/main.sh trains them: CutBCE and sampled BCE on
+    the next item, and CutBCE on the next 3 (the multi-label run of --multi-label)."""
     tmp = tmp_path_factory.mktemp("compare")
-    settings = dict(dataset="synthetic", synthetic_items=300, synthetic_users=64, max_len=10, k=3, dim=16,
+    settings = dict(dataset="synthetic", synthetic_items=300, synthetic_users=64, max_len=10, dim=16,
                     num_layers=1, num_heads=2, batch_size=32, epochs=1, eval_batch_size=32)
-    for loss in ("cutbce", "sampled"):
-        train.train(train.TrainConfig(**settings, loss=loss, out_dir=str(tmp / loss)))
+    for name, loss, k in (("cutbce", "cutbce", 1), ("sampled", "sampled", 1), ("cutbce-k3", "cutbce", 3)):
+        train.train(train.TrainConfig(**settings, loss=loss, k=k, out_dir=str(tmp / name)))
     return tmp
 
 
@@ -86,13 +87,32 @@ def test_the_per_user_metrics_are_the_reported_means(two_runs):
 def test_compare_prints_both_runs_and_the_interval(two_runs, capsys):
     assert compare.main([str(two_runs / "cutbce"), str(two_runs / "sampled"), "--resamples", "500"]) == 0
     out = capsys.readouterr().out
-    assert "SASRec + CutBCE (full catalog, k = 3)" in out and "SASRec + sampled BCE (1 negative)" in out
+    assert "SASRec + CutBCE (full catalog, next item)" in out and "SASRec + sampled BCE (next item, 1 negative)" in out
+    assert "A and B trained on the same target, the next item: like with like." in out
     assert "popularity" in out and "CutBCE minus sampled BCE, paired over the 64 test users" in out
+    assert "multi-label" not in out
     intervals = [line for line in out.splitlines() if line.startswith(("  HR@10 ", "  NDCG@10 "))]
     assert len(intervals) == 2 and all(re.search(r"\[[+-]\d\.\d{4}, [+-]\d\.\d{4}\]", line) for line in intervals)
     compare.main([str(two_runs / "cutbce"), str(two_runs / "cutbce")])
     out = capsys.readouterr().out
     assert "+0.0000  [+0.0000, +0.0000]  tie: the interval contains 0" in out
+
+
+def test_the_multi_label_run_is_its_own_row_and_says_what_it_is_for(two_runs, capsys):
+    """--also: the run trained on the next 3 items is a row of its own, named multi-label with its
+    purpose, and compared with run A (CutBCE on the next item), not with the sampled baseline."""
+    runs = [str(two_runs / name) for name in ("cutbce", "sampled")]
+    assert compare.main([*runs, "--also", str(two_runs / "cutbce-k3"), "--resamples", "200"]) == 0
+    out = capsys.readouterr().out
+    assert "SASRec + CutBCE (full catalog, next 3 items: multi-label)" in out
+    assert "multi-label: trained on the next k items as positives, for tasks whose answer is a set" in out
+    assert "CutBCE (the next 3 items) minus CutBCE (the next item), paired over the 64 test users" in out
+    assert len([line for line in out.splitlines() if line.startswith("  HR@10 ")]) == 2
+
+
+def test_runs_on_different_targets_are_called_so(two_runs, capsys):
+    assert compare.main([str(two_runs / "cutbce-k3"), str(two_runs / "sampled"), "--resamples", "200"]) == 0
+    assert "NOT like with like: A trained on the next 3 items, B on the next item." in capsys.readouterr().out
 
 
 def test_compare_refuses_runs_it_cannot_pair(two_runs, tmp_path, capsys):

@@ -1,5 +1,5 @@
 """Which float32 CPU tile runs: the C kernel by default, with nothing timed on a call; another tile
-only where `TORCH_CUTBCE_TILE` forces it or the tuning command (`python -m torch_cutbce.native.tune_tiles`)
+only where `TORCH_CUTBCE_TILE` forces it or the tuning command (`python -m torch_cutbce.tune_tiles`)
 measured it faster over the whole forward + backward and cached it per machine. Timings are injected
 (or counted, not compared), so nothing here depends on the machine's speed.
 
@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from cutbce_common import tile_choice
-from torch_cutbce.native import fused_tile, tune_tiles
+from torch_cutbce import tune_tiles
+from torch_cutbce.native import fused_tile
 
 pytestmark = pytest.mark.rung1
 
@@ -235,7 +236,8 @@ def test_the_tuning_runs_time_the_whole_forward_and_backward_with_each_tile(monk
     forced for the call only."""
     _needs_the_c_kernel()
     monkeypatch.delenv(tile_choice.ENV, raising=False)
-    from torch_cutbce.native import loop, tune_tiles
+    from torch_cutbce import tune_tiles
+    from torch_cutbce.native import loop
 
     calls, ran = [], []
     monkeypatch.setattr(loop, "loss_and_grads", _recording(loop.loss_and_grads, "loss and grads", calls))
@@ -256,13 +258,13 @@ def test_the_tuning_runs_time_the_whole_forward_and_backward_with_each_tile(monk
 
 
 def test_the_tuning_command_writes_a_choice_the_next_process_reads(tmp_path):
-    """`python -m torch_cutbce.native.tune_tiles` end to end at a tiny shape (two candidates: no torch.compile
+    """`python -m torch_cutbce.tune_tiles` end to end at a tiny shape (two candidates: no torch.compile
     here), then a fresh process that reads its choice; `--forget` goes back to the C kernel."""
     _needs_the_c_kernel()
     env = {**os.environ, "TORCH_CUTBCE_CACHE_DIR": str(tmp_path)}
     env.pop(tile_choice.ENV, None)
     env.pop("TORCH_CUTBCE_NO_COMPILE", None)
-    command = [sys.executable, "-m", "torch_cutbce.native.tune_tiles", "--num-positions", "32", "--num-items", "300",
+    command = [sys.executable, "-m", "torch_cutbce.tune_tiles", "--num-positions", "32", "--num-items", "300",
                "--hidden-size", "8", "--num-targets", "2", "--rounds", "2", "--tiles", "c_kernel", "eager"]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
@@ -285,7 +287,7 @@ def test_the_tuning_command_writes_a_choice_the_next_process_reads(tmp_path):
 def test_the_tuning_command_refuses_a_bad_number_before_it_runs(flag, value, capsys, monkeypatch):
     """Issue 39: a number out of range was a torch traceback from inside the tuning run (exit 1);
     now every numeric flag is a usage error at parse time (exit 2) naming the flag and the value."""
-    from torch_cutbce.native import tune_tiles
+    from torch_cutbce import tune_tiles
 
     def tune(*_):
         raise AssertionError(f"the tuning ran: {flag} {value} was not refused when parsed")
@@ -295,14 +297,14 @@ def test_the_tuning_command_refuses_a_bad_number_before_it_runs(flag, value, cap
         tune_tiles.main([flag, value])
     assert exited.value.code == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
-    assert errors == [f"python -m torch_cutbce.native.tune_tiles: error: argument {flag}: expected a positive integer, "
+    assert errors == [f"python -m torch_cutbce.tune_tiles: error: argument {flag}: expected a positive integer, "
                       f"got '{value}'"], errors
 
 
 def test_the_tuning_command_says_a_bad_number_without_a_traceback(tmp_path):
     """The same as the user sees it: exit 2, usage and one error line, no traceback."""
     env = {**os.environ, "TORCH_CUTBCE_CACHE_DIR": str(tmp_path)}
-    command = [sys.executable, "-m", "torch_cutbce.native.tune_tiles", "--dry-run", "--num-items", "0"]
+    command = [sys.executable, "-m", "torch_cutbce.tune_tiles", "--dry-run", "--num-items", "0"]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert done.stderr.strip().splitlines()[-1].endswith("argument --num-items: expected a positive integer, got '0'")
@@ -347,7 +349,7 @@ def test_jax_tuning_runs_compile_each_tile(monkeypatch):
     if not negative_tile._ffi_registered():
         pytest.skip("the FFI kernel could not be built here")
     monkeypatch.delenv(tile_choice.ENV, raising=False)
-    runs = negative_tile.tuning_runs(16, 300, 8, 2)
+    runs = tune_tiles.jax_tuning_runs(16, 300, 8, 2)
     assert list(runs) == ["c_kernel", "xla"] and os.environ.get(tile_choice.ENV) is None
     timings = tile_choice.interleaved_medians(runs, rounds=1)
     assert set(timings) == {"c_kernel", "xla"}

@@ -184,3 +184,122 @@ def test_the_engine_map_names_what_the_code_holds():
     wrong += [f"{head}.{name}" for head, name in re.findall(r"\b([a-z_]+)\.([A-Za-z_]\w*)\b", block)
               if name != "py" and head not in NOT_MODULES and name not in names_of.get(head, set())]
     assert not wrong, f"the engine map names what the code does not hold: {wrong}"
+
+
+# The floors of docs/design.md ('Import floors'), top to bottom: a module may import its own layer
+# and the layers below it, never one above. Each library module belongs to the layer of its longest
+# prefix here, so a new module must be placed before this test passes.
+LAYERS = (
+    # torch_cutbce: the package's face, and the tools and integrations that run the entry
+    ("torch_cutbce", "torch_cutbce.tune_tiles", "torch_cutbce.integrations"),
+    ("torch_cutbce.functional", "torch_cutbce.module", "torch_cutbce.topk"),  # the entries
+    ("torch_cutbce.special_rows",),  # what the entries take
+    ("torch_cutbce.engines",),  # the registry
+    ("torch_cutbce.native", "torch_cutbce.triton", "torch_cutbce.jax_bridge", "torch_cutbce.reference",
+     "torch_cutbce.vocab_parallel", "torch_cutbce.distributed"),  # engines, the oracle, layouts
+    ("torch_cutbce.arguments", "torch_cutbce.route", "torch_cutbce.positives", "torch_cutbce.branch_math",
+     "torch_cutbce.reduction", "torch_cutbce.metrics", "torch_cutbce.targets",
+     "torch_cutbce.chunked_ops"),  # what they share
+    # jax_kernels, below all of torch_cutbce
+    ("jax_kernels",),
+    ("jax_kernels.api", "jax_kernels.bridge"),  # the entries (the bridge's for torch)
+    ("jax_kernels.sharded",),  # the mesh layout
+    ("jax_kernels.core",),
+    ("jax_kernels.engines",),  # the registry
+    ("jax_kernels.blocked", "jax_kernels.pallas", "jax_kernels.reference"),  # engines, the oracle
+    ("jax_kernels.arguments", "jax_kernels.positives", "jax_kernels.reduction", "jax_kernels.branch_math",
+     "jax_kernels.compensated"),  # what they share
+    ("cutbce_common",),  # neither framework, below both
+)
+
+
+def _module_files() -> dict[str, Path]:
+    files = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return files
+
+
+def _import_graph(files: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the library modules it imports anywhere in its source (a function's lazy import too:
+    an arrow up or a circle through one breaks the floor all the same)."""
+    graph = {}
+    for name, path in files.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = ".".join(package[:len(package) - node.level + 1] + [node.module or ""]).strip(".") \
+                    if node.level else node.module
+                for alias in node.names:
+                    full = f"{base}.{alias.name}"
+                    targets.add(full if full in files else base)
+            elif isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+        graph[name] = {t for t in targets if t in files and t != name}
+    return graph
+
+
+def _layer(module: str) -> int | None:
+    best = None
+    for rank, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and (best is None or len(prefix) > len(best[1])):
+                best = (rank, prefix)
+    return None if best is None else best[0]
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph[node]):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while not component or component[-1] != node:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_cycle_finder_finds_a_circle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def _library_graph():
+    if not all((ROOT / package).is_dir() for package in PACKAGES):
+        pytest.skip("the library's sources are not beside the tests (ci/core_only.sh removes them)")
+    return _import_graph(_module_files())
+
+
+def test_no_import_circle_among_the_library_modules():
+    graph = _library_graph()
+    assert "torch_cutbce.engines" in graph["torch_cutbce.functional"]  # the walk read the imports
+    assert _cycles(graph) == []
+
+
+def test_no_import_points_up_a_floor():
+    graph = _library_graph()
+    unplaced = sorted(module for module in graph if _layer(module) is None)
+    assert not unplaced, f"place these modules in LAYERS: {unplaced}"
+    upward = sorted(f"{module} -> {target}" for module, targets in graph.items() for target in targets
+                    if _layer(target) < _layer(module))
+    assert not upward, upward

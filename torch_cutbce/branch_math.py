@@ -83,7 +83,7 @@ def focal_factor(u, e, tail, gamma, k: int, f):
         sigmoid(u)^gamma = exp(-gamma tail - f max(-u, 0)) (e if u < 0 else 1)^k
 
     `exp(-gamma softplus(-u))` taken at once carries the rounding of `gamma |u|` into the result;
-    here e^k is k roundings and `f |u|` has f < 1 (benchmarks/NOTES.md section 11). `gamma` and `f`
+    here e^k is k roundings and `f |u|` has f < 1 (benchmarks/results/cpu_speed.md, 'Focal'). `gamma` and `f`
     are floats or 0-d tensors (a compiled tile's inputs: one kernel serves every gamma with this k);
     f is None when gamma is an integer, and its term is left out: at u = -inf (a positive taken out
     of its tile) 0 * inf would be NaN, where e = 0 makes the factor 0.

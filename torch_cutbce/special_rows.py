@@ -233,8 +233,10 @@ def without_special_rows(
       targets: `[*S, L]` ids of any integer dtype, rows of `item_weight`; ids of special rows and
         negative ids are no target.
       special_rows: a `SpecialRows`.
-      bias, class_weight, pos_weight: `[V]` per item (in table order without the special rows) or
-        `[R]` per table row (the special rows' entries are ignored), or None.
+      bias: `[V]` per item (in table order without the special rows) or `[R]` per table row (the
+        special rows' entries are ignored), or None.
+      class_weight: as `bias`.
+      pos_weight: as `bias`.
 
     Returns:
       `CatalogArguments(item_weight, targets, bias, class_weight, pos_weight, num_items)`: a view of

@@ -242,7 +242,7 @@ def _table_grad_tile(h, dz):
 
     XLA:CPU runs the product with the `[D, block_v]` output about twice as fast as the one with the
     `[block_v, D]` output, which made the table gradient the costliest matmul of the loop
-    (benchmarks/NOTES.md). The barrier keeps XLA's simplifier from folding the transpose back into
+    (benchmarks/results/cpu_speed.md). The barrier keeps XLA's simplifier from folding the transpose back into
     the slow product; transposing the small tile costs little, and the `[V, D]` accumulator stays
     the only table-sized buffer (a `[D, V]` one would need a `[V, D]` copy at the end).
     """

@@ -11,9 +11,10 @@ with `w [bv]` the tile's column weight. `NegativeTile(loss, cpu_kernel)` has
 
 On the CPU, float32 plain BCE runs the C kernel `cpu_tile.c` through XLA's FFI: one pass over the
 tile that writes dz over z, where XLA:CPU's own fusions read the tile several times and make the
-row sums a slow reduction (benchmarks/NOTES.md section 7). Nothing is timed on the first call: the
-kernel runs wherever its FFI wrapper builds, unless `python -m torch_cutbce.native.tune_tiles --framework jax` measured
-the jnp tile faster over the whole forward + backward on this machine (`_tuned_tile`). Everywhere else
+row sums a slow reduction (benchmarks/results/cpu_speed.md, 'The tile kernel'). Nothing is timed on the first call: the
+kernel runs wherever its FFI wrapper builds, unless `python -m torch_cutbce.tune_tiles --framework jax` measured
+the jnp tile faster over the whole forward + backward on this machine (`_tuned_tile`; the command,
+which runs the entry above this module, is `torch_cutbce/tune_tiles.py`). Everywhere else
 (GPU, TPU lowering, float64, another `Loss`, the torch_xla bridge, no C++ compiler,
 TORCH_CUTBCE_NO_COMPILE=1, TORCH_CUTBCE_TILE=xla, or that tuned choice) the same math runs as jnp. Both sum a row of any width to a few roundings (the kernel through a
 double, jnp pairwise on the CPU: `_halving_row_sum`).
@@ -70,39 +71,10 @@ def tuned_path():
 
 @functools.cache
 def _tuned_tile() -> str:
-    """The tile `python -m torch_cutbce.native.tune_tiles --framework jax` cached for this build and jax version (read
+    """The tile `python -m torch_cutbce.tune_tiles --framework jax` cached for this build and jax version (read
     once per process), else the C kernel."""
     choice = tile_choice.cached(tuned_path(), TILES)
     return tile_choice.DEFAULT if choice is None else choice.name
-
-
-def tuning_runs(num_positions: int = 4096, num_items: int = 32768, hidden_size: int = 64, num_targets: int = 8,
-                tiles: tuple[str, ...] = TILES, seed: int = 0) -> dict:
-    """For each of `tiles`, one jitted forward + backward of the whole blocked loss ('mean', float32,
-    the CPU), traced and compiled here with `TORCH_CUTBCE_TILE` set to it: what the tuning command times."""
-    from jax_kernels.api import cut_bce  # the entry imports this module
-
-    rng = np.random.default_rng(seed)
-    hidden = jnp.asarray(rng.standard_normal((num_positions, hidden_size)), jnp.float32)
-    items = jnp.asarray(rng.standard_normal((num_items, hidden_size)) / hidden_size ** 0.5, jnp.float32)
-    targets = jnp.asarray(rng.integers(0, num_items, (num_positions, num_targets)), jnp.int32)
-    previous, runs = os.environ.get(tile_choice.ENV), {}
-    try:
-        for tile in tiles:
-            os.environ[tile_choice.ENV] = tile
-            jax.clear_caches()  # the choice is read at trace time: nothing traced for another tile is reused
-            step = jax.jit(jax.value_and_grad(lambda h, e: cut_bce(h, e, targets, impl="blocked"), argnums=(0, 1)))
-            compiled = step.lower(hidden, items).compile()
-            if ("cutbce_" in compiled.as_text()) != (tile == "c_kernel"):
-                raise RuntimeError(f"the {tile!r} tile was not compiled in")
-            runs[tile] = functools.partial(lambda compiled: jax.block_until_ready(compiled(hidden, items)), compiled)
-    finally:
-        if previous is None:
-            os.environ.pop(tile_choice.ENV, None)
-        else:
-            os.environ[tile_choice.ENV] = previous
-        jax.clear_caches()
-    return runs
 
 
 def _threads() -> np.int32:

@@ -40,7 +40,7 @@ _STRIP = 8
 def _precision(dtype):
     # f32 inputs ask for the f32-exact MXU mode (6 bf16 passes): the f32 path exists for accuracy.
     # DEFAULT (one bf16 pass) misses the float32 bound many times over, and Mosaic offers no 3-pass
-    # HIGH; the errors and the compile cost of each: benchmarks/NOTES.md section 8.
+    # HIGH; the errors and the compile cost of each: benchmarks/results/tpu_temp_before_after.md.
     # bf16 inputs are exact products on the MXU already; f32 accumulation comes from
     # preferred_element_type.
     return lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT

@@ -5,7 +5,7 @@ branch inside the tile (docs/design.md, 'How each engine stays exact'); nothing 
 afterwards. These launchers check dtypes, pad N to a tile multiple (the table is never copied:
 columns past V are masked in the kernels), choose the table's layout (`_items_in_lanes`) and sum
 the lane partials. The formulas, grids, VMEM use, ragged shapes and the interpret / Mosaic choice:
-docs/jax.md; the layout's HBM saving: benchmarks/NOTES.md section 8.
+docs/jax.md; the layout's HBM saving: benchmarks/results/tpu_temp_before_after.md.
 """
 
 from __future__ import annotations
@@ -52,8 +52,7 @@ def _items_in_lanes(d):
     XLA on TPU stores a `[V, D]` array whose D is no multiple of 128 with V along lanes (layout
     `{0,1}`); a Pallas call takes row-major operands, so a `[V, D]` operand would cost a lane-padded
     copy of the table and of its gradient, while `item_weight.T` of a `{0,1}` array (and the `[D, V]`
-    gradient's `.T`) is a free bitcast. The layouts measured and the HBM saved: benchmarks/NOTES.md
-    section 8. Off TPU (the interpreter) either form is correct, and the same rule keeps both tested.
+    gradient's `.T`) is a free bitcast. The layouts measured and the HBM saved: benchmarks/results/tpu_temp_before_after.md. Off TPU (the interpreter) either form is correct, and the same rule keeps both tested.
     """
     return d % LANES != 0
 

@@ -15,14 +15,14 @@ Plain float32 tiles on the CPU run one of three candidates (`TILES`): by default
 `cutbce_common/cpu_tile.c` (built once per machine, under a second; one pass that may write dz
 over z: `writes_grad_in_place`), with nothing timed and nothing compiled by torch.compile in the
 process. The `torch.compile`d version or the eager twin runs instead where `TORCH_CUTBCE_TILE` says
-so, where `python -m torch_cutbce.native.tune_tiles` measured it faster over the whole forward + backward
+so, where `python -m torch_cutbce.tune_tiles` measured it faster over the whole forward + backward
 (`_tuned_cpu_tile`, `cutbce_common/tile_choice.py`), or where the kernel cannot be built
 (torch.compile's tile with a C++ compiler, else eager). Other float32 tiles (CUDA, any other `Loss`)
 run the `torch.compile`d version (one vectorized loop per function) with log1p as a polynomial
 (`branch_math.log1p_tail`, 4e-9 relative: Sleef's log1p costs about 4 exps); everything else runs the
 eager twin (float64, a side of length 1, `TORCH_CUTBCE_NO_COMPILE=1`, no compiler). Rows are summed
 exactly at any width (`_row_sum`, `_eager_weighted_sum`). Why each choice, with timings:
-benchmarks/NOTES.md sections 1, 7 and 12, docs/performance.md ('First call and tile choice').
+benchmarks/results/cpu_speed.md, 'The tile kernel', docs/performance.md ('First call and tile choice').
 Each slow first-call step says so before it starts, as a `TileCompileWarning` naming the caller's line
 (docs/install.md, 'What the first call says').
 """
@@ -294,7 +294,7 @@ def _plain_cpu_tile() -> str:
 
 @functools.cache
 def _tuned_cpu_tile() -> tile_choice.Choice | None:
-    """The choice `python -m torch_cutbce.native.tune_tiles` cached for this kernel build and torch version
+    """The choice `python -m torch_cutbce.tune_tiles` cached for this kernel build and torch version
     (read once per process), or None: the C kernel."""
     return tile_choice.cached(tuned_path(), TILES)
 
@@ -335,7 +335,7 @@ def _compiled(name: str, threads: int, form: Form | None = None):
     # one-thread process would be served, single-threaded, to every later process. Stated
     # explicitly, it is part of the key (and a new thread count compiles anew).
     # fp-contract: the C++ compiler fuses the polynomials' multiply-adds into FMAs (one rounding
-    # instead of two, so no less exact): about 10% off the tile function (benchmarks/NOTES.md section 7).
+    # instead of two, so no less exact): about 10% off the tile function (benchmarks/results/cpu_speed.md).
     options = {"cpp.threads": threads, "cpp.enable_floating_point_contract_flag": "fast"}
     return torch.compile(_tile_function(name, form), dynamic=True, fullgraph=True, options=options)
 

@@ -1,4 +1,4 @@
-"""Choose this machine's float32 CPU tile by measuring it: `python -m torch_cutbce.native.tune_tiles`.
+"""Choose this machine's float32 CPU tile by measuring it: `python -m torch_cutbce.tune_tiles`.
 
 The library runs the C kernel (`cutbce_common/cpu_tile.c`) for plain float32 CPU tiles
 wherever it builds, and times nothing on a first call. This command is the one place another tile
@@ -14,8 +14,8 @@ reads it; a rebuilt kernel, another CPU or another torch version starts from the
 `TORCH_CUTBCE_TILE` still forces a tile in any process. Docs: docs/performance.md, 'First call and
 tile choice'.
 
-    python -m torch_cutbce.native.tune_tiles                     # torch, about 1-2 min on 2 cores
-    python -m torch_cutbce.native.tune_tiles --framework both --rounds 7
+    python -m torch_cutbce.tune_tiles                     # torch, about 1-2 min on 2 cores
+    python -m torch_cutbce.tune_tiles --framework both --rounds 7
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def tuning_runs(num_positions: int = 4096, num_items: int = 32768, hidden_size: 
     """For each of `tiles` (default: `fused_tile.available_tiles()`), one forward + backward of the
     whole native loss through the entry ('mean', float32, the CPU) with `TORCH_CUTBCE_TILE` set to it
     for the call: what this command times. A run raises where its tile did not run (torch.compile
-    failed). Here, not in `fused_tile`: the tile module never imports the entry above it."""
+    failed). Here, above the entry, not in `fused_tile`, which the entry's engine imports."""
     import torch
 
     from torch_cutbce.functional import cut_bce_with_logits
@@ -66,6 +66,41 @@ def tuning_runs(num_positions: int = 4096, num_items: int = 32768, hidden_size: 
                 os.environ[tile_choice.ENV] = previous
 
     return {tile: functools.partial(run, tile) for tile in (tiles or fused_tile.available_tiles())}
+
+
+def jax_tuning_runs(num_positions: int = 4096, num_items: int = 32768, hidden_size: int = 64, num_targets: int = 8,
+                    tiles: tuple[str, ...] | None = None, seed: int = 0) -> dict:
+    """For each of `tiles`, one jitted forward + backward of the whole blocked loss ('mean', float32,
+    the CPU; default: `negative_tile.TILES`), traced and compiled here with `TORCH_CUTBCE_TILE` set to it:
+    what `--framework jax` times. Here, above JAX's entry, not in `negative_tile`, which the entry imports."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_kernels.api import cut_bce
+    from jax_kernels.blocked import negative_tile
+
+    rng = np.random.default_rng(seed)
+    hidden = jnp.asarray(rng.standard_normal((num_positions, hidden_size)), jnp.float32)
+    items = jnp.asarray(rng.standard_normal((num_items, hidden_size)) / hidden_size ** 0.5, jnp.float32)
+    targets = jnp.asarray(rng.integers(0, num_items, (num_positions, num_targets)), jnp.int32)
+    previous, runs = os.environ.get(tile_choice.ENV), {}
+    try:
+        for tile in tiles or negative_tile.TILES:
+            os.environ[tile_choice.ENV] = tile
+            jax.clear_caches()  # the choice is read at trace time: nothing traced for another tile is reused
+            step = jax.jit(jax.value_and_grad(lambda h, e: cut_bce(h, e, targets, impl="blocked"), argnums=(0, 1)))
+            compiled = step.lower(hidden, items).compile()
+            if ("cutbce_" in compiled.as_text()) != (tile == "c_kernel"):
+                raise RuntimeError(f"the {tile!r} tile was not compiled in")
+            runs[tile] = functools.partial(lambda compiled: jax.block_until_ready(compiled(hidden, items)), compiled)
+    finally:
+        if previous is None:
+            os.environ.pop(tile_choice.ENV, None)
+        else:
+            os.environ[tile_choice.ENV] = previous
+        jax.clear_caches()
+    return runs
 
 
 def _torch_runs(args):
@@ -107,7 +142,7 @@ def _jax_runs(args):
     tiles = tuple(tile for tile in (args.tiles or negative_tile.TILES) if tile in negative_tile.TILES)
     if not tiles:
         return None, f"none of {', '.join(args.tiles)} is a JAX tile ({', '.join(negative_tile.TILES)})"
-    runs = negative_tile.tuning_runs(args.num_positions, args.num_items, args.hidden_size, args.num_targets, tiles)
+    runs = jax_tuning_runs(args.num_positions, args.num_items, args.hidden_size, args.num_targets, tiles)
     details = {"framework": "jax", "version": jax.__version__, "threads": int(negative_tile._threads())}
     return (negative_tile.tuned_path(), runs, details, negative_tile._tuned_tile.cache_clear), None
 
@@ -164,7 +199,7 @@ def positive_int(text: str) -> int:
 
 def argument_parser() -> argparse.ArgumentParser:
     """The command's flags, every number checked as it is parsed (`positive_int`)."""
-    parser = argparse.ArgumentParser(prog="python -m torch_cutbce.native.tune_tiles", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m torch_cutbce.tune_tiles", description=__doc__.splitlines()[0])
     parser.add_argument("--framework", choices=("torch", "jax", "both"), default="torch")
     parser.add_argument("--rounds", type=positive_int, default=tile_choice.ROUNDS)
     parser.add_argument("--num-positions", type=positive_int, default=4096)
