@@ -62,7 +62,7 @@ def pass_cost(name: str, dtype: torch.dtype, num_items: int, instruction_class: 
     """One pass of the Triton engine at `N`, `D`, `num_items` (V)."""
     from torch_cutbce.triton import launch
 
-    blocks = launch.blocks_for(name, dtype, D)
+    blocks = launch.blocks_for(name, dtype, 90)
     column_blocks = -(-D // blocks.block_d(D))
     products = column_blocks + 1  # the logits per column block, then the pass's gradient product
     flops = 2.0 * N * num_items * D * products
