@@ -64,8 +64,8 @@ def _assert_relative(got, want, tol, name):
 
 @pytest.mark.parametrize("hidden_size", [200, 0, 1])
 def test_any_hidden_size_matches_the_float64_oracle(hidden_size):
-    """D = 200: several column programs per block of rows (`launch.blocks_for`: hidden blocks of 64 or 128),
-    each summing the logits over D in blocks."""
+    """D = 200: two column programs per block of rows (`launch.MAX_BLOCK_D` gradient columns each),
+    each summing the logits over D in `block_k` steps."""
     inputs = _inputs(37, 301, hidden_size, seed=hidden_size)
     upstream = torch.linspace(-1.0, 2.0, 37)
     got = _rows_and_grads("triton", *inputs, upstream, **LOSS)
