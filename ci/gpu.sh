@@ -9,7 +9,9 @@
 #   2. tests/test_triton_compile.py with CUTBCE_GPU_COMPILE=1: the sm_80 / sm_90 compiles with this
 #      machine's triton (they need no GPU and run in CI with the main .venv's);
 #   3. benchmarks/cuda_loss.py with its defaults: forward + backward of every engine, the dense loss
-#      and the three-matmul floor at N 32768, D 128, V 2**17 and 2**20, bfloat16 and float32.
+#      and the three-matmul floor at N 32768, D 128, V 2**17 and 2**20, bfloat16 and float32,
+#      after the cost model's estimates for the same shapes (python -m torch_cutbce.triton.aot --model,
+#      gpu_model.log: the numbers to hold the measured ones against).
 # Results and logs go to ${OUT:-benchmarks/results} (cuda_loss.csv / .jsonl, gpu_*.log, junit XML).
 # The benchmark runs even if the tests fail; both exit codes are printed at the end, and the script
 # exits nonzero if either failed. Time limits (seconds): CUTBCE_GPU_TESTS_S (150),
@@ -47,6 +49,9 @@ if [ "${CUTBCE_GPU_COMPILE:-0}" = 1 ]; then
   timeout "${CUTBCE_GPU_COMPILE_S:-90}" "${pytest[@]}" tests/test_triton_compile.py \
     --junitxml "$out/gpu_compile_tests.xml" 2>&1 | tee "$out/gpu_compile_tests.log" || compile_rc=$?
 fi
+
+echo "== the cost model (estimates, not measurements)"
+timeout 120 "$python" -m torch_cutbce.triton.aot --model 2>&1 | tee "$out/gpu_model.log" || true
 
 echo "== benchmarks/cuda_loss.py"
 elapsed=$(( $(date +%s) - started ))

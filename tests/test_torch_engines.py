@@ -40,7 +40,7 @@ def test_the_backends_are_auto_and_the_registry_in_its_order():
 @pytest.mark.parametrize("device_type, engine", [("cpu", "native"), ("cuda", CUDA_ENGINE), ("meta", "native"),
                                                  ("mps", "native"), ("xla", "xla"), ("tpu", "torch_tpu")])
 def test_auto_picks_by_device_type(device_type, engine):
-    assert engines.resolve_backend("auto", _on(device_type)) == engine
+    assert engines.resolve_backend("auto", _on(device_type, torch.bfloat16)) == engine
     assert engines.resolve_backend("dense", _on(device_type)) == "dense"  # a named backend is kept
 
 
@@ -129,7 +129,8 @@ def test_vocab_parallel_wraps_the_engine_chosen_for_the_tensors(one_rank_group, 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (a CUDA build of torch ships it)")
 def test_a_cuda_tensor_runs_the_triton_kernels_by_default():
     """No GPU needed: fake CUDA tensors (torch's FakeTensorMode) go through the entry; the op that
-    runs is the Triton engine's one-pass loss (float32 / bfloat16 / float16), native's for float64.
+    runs is the Triton engine's one-pass loss (bfloat16 / float16), native's for float32 (the cost
+    model's choice: test_the_auto_dtypes_are_the_cost_models) and float64.
     Without gradients: autograd on a CUDA tensor, even a fake one, initializes the CUDA driver."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -144,18 +145,18 @@ def test_a_cuda_tensor_runs_the_triton_kernels_by_default():
             return func(*args, **(kwargs or {}))
 
     with FakeTensorMode():
-        for dtype, op in ((torch.float32, "torch_cutbce::triton_loss"), (torch.bfloat16, "torch_cutbce::triton_loss"),
+        for dtype, op in ((torch.float32, "torch_cutbce::loss"), (torch.bfloat16, "torch_cutbce::triton_loss"),
                           (torch.float16, "torch_cutbce::triton_loss"), (torch.float64, "torch_cutbce::loss")):
             hidden = torch.empty(5, HIDDEN_SIZE, device="cuda", dtype=dtype)
             items = torch.empty(NUM_ITEMS, HIDDEN_SIZE, device="cuda", dtype=dtype)
             targets = torch.zeros(5, 2, dtype=torch.long, device="cuda")
-            assert torch_cutbce.resolved_backend(hidden) == ("native" if dtype == torch.float64 else "triton")
+            assert torch_cutbce.resolved_backend(hidden) == ("triton" if op == "torch_cutbce::triton_loss" else "native")
             with OpsCalled() as called:
                 assert cut_bce_with_logits(hidden, items, targets).shape == ()
             assert op in called.names, sorted(called.names)
-        # The dtype the logits' matmul sees decides: float32 hidden with a float64 table is float64.
-        mixed = (torch.empty(5, HIDDEN_SIZE, device="cuda"), torch.empty(NUM_ITEMS, HIDDEN_SIZE, device="cuda",
-                                                                         dtype=torch.float64))
+        # The dtype the logits' matmul sees decides: bfloat16 hidden with a float64 table is float64.
+        mixed = (torch.empty(5, HIDDEN_SIZE, device="cuda", dtype=torch.bfloat16),
+                 torch.empty(NUM_ITEMS, HIDDEN_SIZE, device="cuda", dtype=torch.float64))
         with OpsCalled() as called:
             cut_bce_with_logits(*mixed, torch.zeros(5, 2, dtype=torch.long, device="cuda"))
         assert "torch_cutbce::loss" in called.names, sorted(called.names)
@@ -168,11 +169,22 @@ def test_the_triton_engine_takes_the_dtypes_its_kernels_do():
     assert engines.ENGINES["triton"].dtypes == launch.DTYPES
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (a CUDA build of torch ships it)")
+def test_the_auto_dtypes_are_the_cost_models():
+    """'auto' on CUDA picks the engine `triton/cost_model.py` predicts faster, per dtype (a model, until a
+    GPU measures both)."""
+    from torch_cutbce.triton import cost_model, launch
+
+    predicted = tuple(dtype for dtype in launch.DTYPES if cost_model.faster_engine(dtype) == "triton")
+    assert engines.ENGINES["triton"].auto_dtypes == predicted == (torch.bfloat16, torch.float16)
+    assert engines.resolve_backend("auto", _on("cuda", torch.float32)) == "native"
+
+
 def test_auto_says_when_the_engine_for_the_device_cannot_run(monkeypatch):
     """triton missing: 'auto' on CUDA runs the compiled tiles, says so once, and `resolved_backend` names them."""
     monkeypatch.setitem(engines.ENGINES, "triton", dataclasses.replace(engines.ENGINES["triton"],
                                                                        available=lambda: False))
     monkeypatch.setattr(engines, "_said_unavailable", set())
     with pytest.warns(UserWarning, match="backend='auto' passes over 'triton' for cuda tensors"):
-        assert engines.resolve_backend("auto", _on("cuda")) == "native"
-    assert torch_cutbce.resolved_backend(_on("cuda")) == "native"  # said once
+        assert engines.resolve_backend("auto", _on("cuda", torch.bfloat16)) == "native"
+    assert torch_cutbce.resolved_backend(_on("cuda", torch.bfloat16)) == "native"  # said once

@@ -151,12 +151,14 @@ def test_allow_tf32_changes_nothing():
         torch.backends.cuda.matmul.allow_tf32 = was
 
 
-def test_auto_resolves_to_triton_on_cuda():
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+def test_auto_resolves_to_triton_on_cuda_for_16_bit_inputs():
+    """The cost model's choice (triton/cost_model.py): Triton for 16-bit inputs, native for float32."""
+    for dtype in (torch.bfloat16, torch.float16):
         hidden = torch.zeros(2, 8, device="cuda", dtype=dtype)
         assert torch_cutbce.resolved_backend(hidden) == "triton", dtype
-    assert torch_cutbce.resolved_backend(torch.zeros(2, 8, device="cuda", dtype=torch.float64)) == "native"
-    h, w, t = _tensors("float32")
+    for dtype in (torch.float32, torch.float64):
+        assert torch_cutbce.resolved_backend(torch.zeros(2, 8, device="cuda", dtype=dtype)) == "native", dtype
+    h, w, t = _tensors("bfloat16")
     _assert_identical(_step(h, w, t, backend="auto"), _step(h, w, t, backend="triton"), "backend='auto'")
 
 

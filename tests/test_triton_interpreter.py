@@ -3,7 +3,8 @@ the same process): the paths its small shapes do not reach and the entry's promi
 
 - hidden sizes above a program's block (`launch.MAX_BLOCK_D`: several column programs, the logits
   summed over D in blocks), D = 0, N = 0, one item;
-- sums over 1,024 tiles of equal terms (a running float32 sum's worst case) against their closed form;
+- sums over 1,024 tiles of equal terms (a running float32 sum's worst case) and over 2**22 items
+  against their closed form;
 - `torch.compile(step, fullgraph=True)`: one graph (the custom ops), the eager numbers; the ops'
   fakes against their outputs (`torch.library.opcheck`);
 - the same bits on every run, and under `torch.use_deterministic_algorithms(True)`;
@@ -63,8 +64,8 @@ def _assert_relative(got, want, tol, name):
 
 @pytest.mark.parametrize("hidden_size", [200, 0, 1])
 def test_any_hidden_size_matches_the_float64_oracle(hidden_size):
-    """D = 200: several column programs per block of rows (`launch.blocks_for`: hidden blocks of 64 or 128),
-    each summing the logits over D in blocks."""
+    """D = 200: two column programs per block of rows (`launch.MAX_BLOCK_D` gradient columns each),
+    each summing the logits over D in `block_k` steps."""
     inputs = _inputs(37, 301, hidden_size, seed=hidden_size)
     upstream = torch.linspace(-1.0, 2.0, 37)
     got = _rows_and_grads("triton", *inputs, upstream, **LOSS)
@@ -97,6 +98,21 @@ def test_sums_over_thousands_of_tiles_keep_their_closed_form():
     softplus, sigmoid = math.log1p(math.exp(z)), 1 / (1 + math.exp(-z))
     _assert_relative(rows, torch.full((2,), num_items * softplus, dtype=torch.float64), 2e-6, "rows")
     _assert_relative(leaf.grad, torch.full((2, 1), num_items * sigmoid * z, dtype=torch.float64), 2e-6, "d_hidden")
+
+
+def test_a_catalog_of_2_22_items_keeps_its_closed_form(monkeypatch):
+    """V = 2**22 equal logits (2,048 chunks of `shapes.MAX_CONTRACTION` items, each summed in float32,
+    carried in float64): each row within 2e-6 of its closed form. Tiles of 2,048 items (one per
+    chunk): the shipped ones would take the interpreter an hour; the forward only (a minute of CPU),
+    `d_hidden`'s carry over 16 chunks is the test above."""
+    from torch_cutbce.triton import launch
+
+    monkeypatch.setattr(launch, "blocks_for", lambda *_: launch.Blocks(16, 2048, 128, 4))
+    num_items, z = 2**22, 0.3
+    rows = cut_bce_with_logits(torch.ones(2, 1), torch.full((num_items, 1), z), torch.full((2, 1), -1),
+                               reduction="none", backend="triton")
+    expected = num_items * math.log1p(math.exp(z))
+    _assert_relative(rows, torch.full((2,), expected, dtype=torch.float64), 2e-6, "rows")
 
 
 def test_torch_compile_fullgraph_is_one_graph_with_the_eager_numbers():

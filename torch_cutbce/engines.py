@@ -14,8 +14,9 @@ registry's names.
                     no other engine claims; takes vocab_parallel=
     dense           the materializing reference (torch_cutbce.reference), any device
     triton          fused Triton kernels (triton/, imported on first use): CUDA, or CPU tensors in
-                    Triton's interpreter; 'auto' on CUDA for float32 / bfloat16 / float16 when
-                    triton imports; takes vocab_parallel=
+                    Triton's interpreter; 'auto' on CUDA for bfloat16 / float16 when triton imports
+                    (float32 runs native: the cost model, triton/cost_model.py, predicts it faster;
+                    not measured); takes vocab_parallel=
     xla, xla_blocked, xla_pallas
                     the torch_xla bridge (jax_bridge/xla.py, imported on first use): the JAX engine
                     `impl` ('auto': Pallas on a TPU), on one device or under an SPMD mesh; 'xla' is
@@ -87,6 +88,7 @@ class Engine:
         traceable. An engine named explicitly runs regardless (and fails on its own import).
       dtypes: the `hidden` dtypes it computes in (None: any); 'auto' passes over it for others,
         and naming it for another is refused (`check_devices`).
+      auto_dtypes: the dtypes 'auto' picks it for (None: every one of `dtypes`).
     """
 
     name: str
@@ -100,9 +102,13 @@ class Engine:
     auto_on: tuple[str, ...] = ()
     available: Callable[[], bool] = always
     dtypes: tuple[torch.dtype, ...] | None = None
+    auto_dtypes: tuple[torch.dtype, ...] | None = None
 
     def takes_dtype(self, dtype: torch.dtype) -> bool:
         return self.dtypes is None or dtype in self.dtypes
+
+    def auto_takes_dtype(self, dtype: torch.dtype) -> bool:
+        return self.takes_dtype(dtype) and (self.auto_dtypes is None or dtype in self.auto_dtypes)
 
 
 def _native_rows(flat, route):
@@ -187,11 +193,15 @@ ENGINES = {
     "native": Engine("native", _native_rows, _native_weighted_sum, takes_vocab_parallel=True,
                      drops_padded_positions=True, auto_on=(ANY_DEVICE,)),
     "dense": Engine("dense", _dense_rows, _dense_weighted_sum, on_xla=None),
-    # Fused Triton kernels (torch_cutbce/triton/): 'auto' on CUDA; CPU tensors run in Triton's
-    # interpreter (TRITON_INTERPRET=1 before triton is imported).
+    # Fused Triton kernels (torch_cutbce/triton/): 'auto' on CUDA for 16-bit inputs; CPU tensors run in
+    # Triton's interpreter (TRITON_INTERPRET=1 before triton is imported). 'auto' follows the cost
+    # model (triton/cost_model.py: a model, no GPU has measured either engine): float32 products run on
+    # the FP32 pipe in both engines, and the model puts the native one's three ahead of the kernels'
+    # four; 16-bit ones it puts far ahead on the tensor cores.
     "triton": Engine("triton", _triton_rows, _triton_weighted_sum, takes_vocab_parallel=True,
                      drops_padded_positions=True, auto_on=("cuda",), available=_triton_installed,
-                     dtypes=(torch.float32, torch.bfloat16, torch.float16)),
+                     dtypes=(torch.float32, torch.bfloat16, torch.float16),
+                     auto_dtypes=(torch.bfloat16, torch.float16)),
     **{name: _bridge_engine(name, "xla", impl, on_xla=True, takes_mesh=True, auto_on=auto_on)
        for name, impl, auto_on in (("xla", "auto", ("xla",)), ("xla_blocked", "blocked", ()),
                                    ("xla_pallas", "pallas", ()))},
@@ -233,8 +243,8 @@ def check_backend(backend) -> None:
 
 def resolve_backend(backend: str, hidden: torch.Tensor) -> str:
     """`backend`, checked; 'auto' becomes the engine for `hidden`'s device type: the first engine in
-    registry order whose `auto_on` names the type, that takes `hidden`'s dtype (the matmul's, after
-    promotion or autocast) and that is `available()`, else the first (and
+    registry order whose `auto_on` names the type, that 'auto' picks for `hidden`'s dtype (the
+    matmul's, after promotion or autocast: `auto_dtypes`) and that is `available()`, else the first (and
     available) one that takes `ANY_DEVICE`."""
     check_backend(backend)
     if backend != "auto":
@@ -242,7 +252,7 @@ def resolve_backend(backend: str, hidden: torch.Tensor) -> str:
     device_type = hidden.device.type
     for wanted in (device_type, ANY_DEVICE):
         for name, engine in ENGINES.items():
-            if wanted in engine.auto_on and engine.takes_dtype(hidden.dtype):
+            if wanted in engine.auto_on and engine.auto_takes_dtype(hidden.dtype):
                 if engine.available():
                     return name
                 _say_unavailable(name, device_type)

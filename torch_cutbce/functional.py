@@ -81,7 +81,7 @@ def cut_bce_with_logits(
       block_v: vocabulary tile width, a positive int (numpy integers too, bool not; default: a
         16 MiB float32 `[N, block_v]` tile).
       backend: 'auto' (by the tensors' device type: the torch_xla bridge for XLA tensors, TorchTPU's
-        for `tpu` tensors, the Triton kernels for CUDA tensors but float64, native otherwise;
+        for `tpu` tensors, the Triton kernels for bfloat16 / float16 CUDA tensors, native otherwise;
         `torch_cutbce.resolved_backend` says which), 'native' (chunked PyTorch, CPU/CUDA), 'dense'
         (materializing reference), 'triton' (fused kernels: CUDA, or CPU tensors in Triton's
         interpreter; float32 / bfloat16 / float16), 'xla' (bridge; Pallas on TPU, the blocked JAX

@@ -4,10 +4,18 @@ What a launch would run is built here from the launcher's own flags (`launch.ker
 `compile_case` turns a `Case` (pass, dtype, `Loss`, hidden size, target, `Blocks`, optional inputs)
 into Triton's `ASTSource` and compiles it for `GPUTarget("cuda", capability, 32)`; `usage` runs the
 ptxas bundled with Triton (`-v`) on its PTX for the registers and spill bytes, and reads the shared
-memory Triton reserves (`metadata.shared`); `check` compares them with the budget: no spill bytes
-(`ALLOWED_SPILL_BYTES` holds none: every shipped configuration compiles spill-free), shared memory
-within the target's per-block limit. `python -m torch_cutbce.triton.aot` prints the table of the
-shipped configurations (tests/test_triton_compile.py checks every one).
+memory Triton reserves (`metadata.shared`) and counts the matrix instructions in the PTX
+(`instruction_class`); `check` compares them with the budget: no spill bytes (but float32's item
+pass: `ALLOWED_SPILL_BYTES`), shared memory within the target's
+per-block limit, and the instruction class the target's fast path needs (`FAST_PATH`: Hopper's
+warpgroup MMA on sm_90, Ampere's `mma.sync` on sm_80 for 16-bit inputs; no tensor-core instruction
+for float32, whose products stay IEEE).
+
+    python -m torch_cutbce.triton.aot                 # the table of the shipped configurations
+    python -m torch_cutbce.triton.aot --dump-ptx DIR  # their PTX: <kernel>.<pass>.<dtype>.d<D>.sm_<cap>.ptx
+    python -m torch_cutbce.triton.aot --model         # the cost model (`cost_model.py`): a model, not a measurement
+
+tests/test_triton_compile.py checks every shipped configuration.
 
 Shared memory per block, NVIDIA's CUDA C++ Programming Guide, "Compute Capabilities", technical
 specifications table (maximum shared memory per thread block, opt-in): 163 KiB = 166,912 bytes on
@@ -20,6 +28,7 @@ the target and what failed: `ResourceError`.
 
 from __future__ import annotations
 
+import argparse
 import concurrent.futures
 import dataclasses
 import multiprocessing
@@ -41,20 +50,28 @@ from torch_cutbce.triton import kernels, launch
 CAPABILITIES = (80, 90)
 GPU_NAMES = {80: "sm_80", 90: "sm_90a"}
 SHARED_LIMIT_BYTES = {80: 166_912, 90: 232_448}  # module docstring
-# (pass, dtype) -> spill bytes a shipped configuration may store (none: the table is empty).
-ALLOWED_SPILL_BYTES: dict[tuple[str, torch.dtype], int] = {}
+# (pass, dtype) -> spill bytes a shipped configuration may store. float32's item pass: ptxas holds
+# it to 128 registers at 8 warps and 168 at 4 (its own choice: no register limit is asked for) and
+# stores up to 16 bytes a thread at D 64 on sm_80; float32 is not 'auto''s Triton dtype.
+ALLOWED_SPILL_BYTES: dict[tuple[str, torch.dtype], int] = {("items", torch.float32): 16}
 TYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # The hidden sizes a shipped configuration is checked at: one block of 64 and of 128 columns (the
 # hidden block held for the whole walk), and 256 (two blocks: the logits recomputed per block).
 HIDDEN_SIZES = (64, 128, 256)
 TABLE_LOSS = Loss(Focal(1.5, 0.3, True), 0.2)  # focal with a fractional gamma, balanced, smoothed: the most code
+# The instruction class a kernel's products must lower to, per input dtype and capability: Hopper's
+# warpgroup MMA (`wgmma.mma_async`, HGMMA in SASS) on sm_90, where Ampere's `mma.sync` runs below its
+# rate; `mma.sync` on sm_80; float32 (input_precision="ieee") on no tensor core at all ("fma": TF32
+# would show as `mma.sync` or `wgmma` with `.tf32` operands).
+FAST_PATH = {(dtype, capability): ("fma" if dtype == torch.float32 else "wgmma" if capability >= 90 else "mma.sync")
+             for dtype in (torch.float32, torch.bfloat16, torch.float16) for capability in CAPABILITIES}
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One compile: a pass (`launch.PASSES`) of its kernel for inputs of `dtype`.
 
-    `blocks` None is the shipped `launch.blocks_for(pass_name, dtype, hidden_size)`; the optional inputs (bias,
+    `blocks` None is the shipped `launch.blocks_for(pass_name, dtype, capability)`; the optional inputs (bias,
     class_weight, pos_weight) are all present by default, the costliest form of each kernel.
     """
 
@@ -74,7 +91,7 @@ class Case:
 
     @property
     def launch_blocks(self) -> launch.Blocks:
-        return self.blocks or launch.blocks_for(self.pass_name, self.dtype, self.hidden_size)
+        return self.blocks or launch.blocks_for(self.pass_name, self.dtype, self.capability)
 
     def outputs(self) -> dict[str, bool]:
         if self.pass_name == "items":
@@ -92,7 +109,8 @@ class Case:
                                                ("pos_weight", self.has_pos_weight)) if present]
         return (f"{self.kernel.fn.__name__} pass={self.pass_name} dtype={TYPE_NAMES[self.dtype]} "
                 f"form={tuple(self.loss.form())} D={self.hidden_size} block_n={b.block_n} block_v={b.block_v} "
-                f"BLOCK_D={b.block_d(self.hidden_size)} num_warps={b.num_warps} num_stages={b.num_stages} "
+                f"BLOCK_D={b.block_d(self.hidden_size)} block_k={b.block_k} num_warps={b.num_warps} "
+                f"num_stages={b.num_stages} "
                 f"optional={'+'.join(optional) or 'none'} arch={GPU_NAMES[self.capability]}")
 
 
@@ -104,6 +122,15 @@ class Usage:
     spill_store_bytes: int
     spill_load_bytes: int
     shared_bytes: int  # Triton's `metadata.shared`
+    wgmma: int = 0  # `wgmma.mma_async` instructions in the PTX
+    mma_sync: int = 0  # `mma.sync` instructions in the PTX
+
+    @property
+    def instruction_class(self) -> str:
+        """'wgmma', 'mma.sync', 'fma' (no matrix instruction) or 'mixed' (both: one product on the slow path)."""
+        if self.wgmma and self.mma_sync:
+            return "mixed"
+        return "wgmma" if self.wgmma else "mma.sync" if self.mma_sync else "fma"
 
 
 class ResourceError(RuntimeError):
@@ -111,8 +138,8 @@ class ResourceError(RuntimeError):
 
 
 def signature(kernel, dtype: torch.dtype, constexprs: dict) -> dict[str, str]:
-    """Triton's signature of `kernel`: the inputs' pointers in `dtype`, ids and counts int32, every
-    other pointer float32, sizes int32 (the `Loss`'s numbers: a float32 pointer)."""
+    """Triton's signature of `kernel`: the inputs' pointers in `dtype`, ids and counts int32, `d_hidden`
+    float64 (its carry across chunks), every other pointer float32, sizes int32 (the `Loss`'s numbers: a float32 pointer)."""
     types = {}
     for name in kernel.arg_names:
         if name in constexprs:
@@ -121,6 +148,8 @@ def signature(kernel, dtype: torch.dtype, constexprs: dict) -> dict[str, str]:
             types[name] = "*" + TYPE_NAMES[dtype]
         elif name in ("ids_ptr", "counts_ptr"):
             types[name] = "*i32"
+        elif name == "dh_ptr":
+            types[name] = "*fp64"
         elif name.endswith("_ptr"):
             types[name] = "*fp32"
         elif name in ("N", "V", "D", "L"):
@@ -143,8 +172,20 @@ def ptxas_path() -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
+def ptx_name(case: Case) -> str:
+    """`<kernel>.<pass>.<dtype>.d<D>.sm_<cap>.ptx`, the `--dump-ptx` file of `case`."""
+    return (f"{case.kernel.fn.__name__}.{case.pass_name}.{TYPE_NAMES[case.dtype]}.d{case.hidden_size}"
+            f".sm_{case.capability}.ptx")
+
+
+def matrix_instructions(ptx: str) -> tuple[int, int]:
+    """`(wgmma.mma_async, mma.sync)` instructions in `ptx`."""
+    return len(re.findall(r"\bwgmma\.mma_async\b", ptx)), len(re.findall(r"\bmma\.sync\b", ptx))
+
+
 def usage(compiled, capability: int) -> Usage:
-    """Registers and spill bytes from `ptxas -v` on the compiled PTX, and Triton's shared bytes."""
+    """Registers and spill bytes from `ptxas -v` on the compiled PTX, Triton's shared bytes and the
+    PTX's matrix instructions."""
     with tempfile.TemporaryDirectory() as folder:
         ptx = os.path.join(folder, "kernel.ptx")
         with open(ptx, "w") as f:
@@ -155,7 +196,8 @@ def usage(compiled, capability: int) -> Usage:
         raise ResourceError(f"ptxas failed ({result.returncode}): {result.stderr.strip()}")
     number = lambda pattern: int(re.search(pattern, result.stderr).group(1))  # noqa: E731
     return Usage(number(r"Used (\d+) registers"), number(r"(\d+) bytes spill stores"),
-                 number(r"(\d+) bytes spill loads"), int(compiled.metadata.shared))
+                 number(r"(\d+) bytes spill loads"), int(compiled.metadata.shared),
+                 *matrix_instructions(compiled.asm["ptx"]))
 
 
 def measure(case: Case) -> Usage | Exception:
@@ -191,6 +233,15 @@ def failures(case: Case, found: Usage) -> list[str]:
     return problems
 
 
+def off_the_fast_path(case: Case, found: Usage) -> str | None:
+    """What is wrong with `found`'s instruction class for `case` (`FAST_PATH`), or None."""
+    wanted = FAST_PATH[case.dtype, case.capability]
+    if found.instruction_class == wanted:
+        return None
+    return (f"{case.describe()}: its products lower to {found.instruction_class} ({found.wgmma} wgmma.mma_async, "
+            f"{found.mma_sync} mma.sync), not {wanted}")
+
+
 def check(case: Case, found: Usage | Exception | None = None) -> Usage:
     """`case`'s `Usage` (`measure`d here unless given), or a `ResourceError` saying what failed."""
     found = found or measure(case)
@@ -202,20 +253,58 @@ def check(case: Case, found: Usage | Exception | None = None) -> Usage:
     return found
 
 
-def main() -> None:
+def shipped_cases() -> list[Case]:
+    """Every shipped configuration at `TABLE_LOSS` with every optional input: pass x dtype x D x target."""
+    return [Case(pass_name, dtype, TABLE_LOSS, hidden_size, capability) for pass_name in launch.PASSES
+            for dtype in launch.DTYPES for hidden_size in HIDDEN_SIZES for capability in CAPABILITIES]
+
+
+def _dump(case: Case, folder: str) -> str:
+    with open(os.path.join(folder, ptx_name(case)), "w") as f:
+        f.write(compile_case(case).asm["ptx"])
+    return ptx_name(case)
+
+
+def dump_ptx(folder: str, cases: list[Case] | None = None) -> list[str]:
+    """Write the PTX of `cases` (default: `shipped_cases()`) into `folder`; the file names."""
+    os.makedirs(folder, exist_ok=True)
+    cases = shipped_cases() if cases is None else cases
+    workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if workers <= 1:
+        return [_dump(case, folder) for case in cases]
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(_dump, cases, [folder] * len(cases)))
+
+
+def table() -> None:
     """The table of the shipped configurations: every optional input, `TABLE_LOSS`, `HIDDEN_SIZES`."""
-    cases = [Case(pass_name, dtype, TABLE_LOSS, hidden_size, capability) for pass_name in launch.PASSES
-             for dtype in launch.DTYPES for hidden_size in HIDDEN_SIZES for capability in CAPABILITIES]
+    cases = shipped_cases()
     print(f"Loss form {tuple(TABLE_LOSS.form())}, bias + class_weight + pos_weight; spills: bytes stored")
-    print(f"{'kernel':<12}{'pass':<11}{'dtype':<6}{'D':>5}  {'blocks':<15}{'arch':<8}{'regs':>5}{'spills':>8}"
-          f"{'shared':>8}")
+    print(f"{'kernel':<12}{'pass':<11}{'dtype':<6}{'D':>5}  {'blocks':<16}{'arch':<8}{'regs':>5}{'spills':>8}"
+          f"{'shared':>8}  {'products':<9}")
     for case, found in zip(cases, measure_all(cases)):
         b = case.launch_blocks
-        blocks = f"{b.block_n}x{b.block_v}x{b.block_d(case.hidden_size)}/{b.num_warps}w"
-        numbers = (f"{found.registers:>5}{found.spill_store_bytes:>8}{found.shared_bytes:>8}"
-                   if isinstance(found, Usage) else f"  {type(found).__name__}: {found}")
+        blocks = f"{b.block_n}x{b.block_v}x{b.block_d(case.hidden_size)}/{b.num_warps}w/{b.num_stages}s"
+        numbers = (f"{found.registers:>5}{found.spill_store_bytes:>8}{found.shared_bytes:>8}  "
+                   f"{found.instruction_class:<9}" if isinstance(found, Usage) else f"  {type(found).__name__}: {found}")
         print(f"{case.kernel.fn.__name__:<12}{case.pass_name:<11}{TYPE_NAMES[case.dtype]:<6}{case.hidden_size:>5}  "
-              f"{blocks:<15}{GPU_NAMES[case.capability]:<8}{numbers}")
+              f"{blocks:<16}{GPU_NAMES[case.capability]:<8}{numbers}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m torch_cutbce.triton.aot", description=__doc__.split("\n")[0])
+    parser.add_argument("--dump-ptx", metavar="DIR", help="write the PTX of every shipped configuration into DIR")
+    parser.add_argument("--model", action="store_true", help="print the cost model (an estimate, not a measurement)")
+    args = parser.parse_args(argv)
+    if args.model:
+        from torch_cutbce.triton import cost_model
+
+        print(cost_model.report())
+    elif args.dump_ptx:
+        names = dump_ptx(args.dump_ptx)
+        print(f"{len(names)} PTX files in {args.dump_ptx}")
+    else:
+        table()
 
 
 if __name__ == "__main__":

@@ -6,9 +6,9 @@
 and float32 `bias`, `class_weight`, `pos_weight` `[V]` and row gradient `g [N]` (None where absent),
 and return float32 results.
 
-The block sizes are fixed per pass and dtype (`ROW_BLOCKS`, `ITEM_BLOCKS`, `blocks_for`): no autotuning, since what is verified
-without a GPU (the interpreter's parity, the sm_80 / sm_90 compiles and their register and
-shared-memory budgets, tests/test_triton_compile.py) must be what runs.
+The block sizes are fixed per pass, dtype and target (`SHIPPED`, `blocks_for`): no autotuning, since
+what is verified without a GPU (the interpreter's parity, the sm_80 / sm_90 compiles, their register
+and shared-memory budgets and instruction class, tests/test_triton_compile.py) must be what runs.
 
 float32 products use `input_precision="ieee"`: Triton's default for float32 `tl.dot` is TF32 (10
 mantissa bits), which would miss the float32 bound on every row, and
@@ -26,11 +26,12 @@ import torch
 import triton
 
 from cutbce_common.loss import Loss
+from cutbce_common.shapes import MAX_CONTRACTION
 from torch_cutbce.triton import interpreter, kernels, tile_math
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# The widest hidden block a program holds: wider hidden sizes take several programs per block of
-# rows (or items), each recomputing the logits over the whole D (grid axis 1).
+# The widest block of gradient columns a program holds: wider hidden sizes take several programs per
+# block of rows (or items), each recomputing the logits over the whole D (grid axis 1).
 MAX_BLOCK_D = 128
 
 
@@ -39,10 +40,13 @@ class Blocks:
     """One kernel's fixed launch configuration.
 
     Attributes:
-      block_n, block_v: the logit tile `[block_n, block_v]` (powers of two, >= 16: `tl.dot`'s minimum).
+      block_n, block_v: the logit tile `[block_n, block_v]`, item-major in the item pass (powers of
+        two, >= 16: `tl.dot`'s minimum).
       max_block_d: the widest `BLOCK_D` (power of two, >= 16); a program's is `min(max_block_d,
         next_power_of_2(D))`.
       num_warps, num_stages: Triton's.
+      block_k: the logits' step over D, streamed through shared memory (power of two, >= 16; at most
+        the program's `BLOCK_D`).
     """
 
     block_n: int = 64
@@ -50,9 +54,10 @@ class Blocks:
     max_block_d: int = MAX_BLOCK_D
     num_warps: int = 8
     num_stages: int = 2
+    block_k: int = 64
 
     def __post_init__(self):
-        for name in ("block_n", "block_v", "max_block_d"):
+        for name in ("block_n", "block_v", "max_block_d", "block_k"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {name}={value}")
@@ -65,38 +70,49 @@ class Blocks:
         return min(self.max_block_d, max(16, triton.next_power_of_2(hidden_size)))
 
 
-# The shipped configurations: pass -> input dtype -> (Blocks for D <= MAX_BLOCK_D, whose hidden block
-# stays in registers for the whole walk; Blocks for wider D, whose logits are recomputed per hidden
-# block). Each is the largest tile (then the widest hidden block, then the fewest warps) that ptxas
-# compiles without spilling for sm_80 and sm_90, for every Loss form and every optional input
-# (`aot.py` prints the numbers; tests/test_triton_compile.py checks them).
+# The shipped configurations, one per pass, input dtype and target (no hidden size: the kernels stream
+# both operands over D in `block_k` steps, so one tile serves D 64, 128 and 256). Each compiles without
+# spilling (float32's item pass: `aot.ALLOWED_SPILL_BYTES`) for sm_80 and sm_90, for every Loss form
+# and every optional input, and puts 16-bit products
+# on the target's fast instruction (`aot.py` prints the numbers; tests/test_triton_compile.py checks
+# them). On sm_90 a 16-bit product's M side (the rows of the row pass, the items of the item pass,
+# whose tiles are item-major) is 64, a warpgroup's MMA; narrower, Triton emits Ampere's mma.sync.
+# The tiles are small beside CCE's 128 x 128: the loss's math takes about 14 registers a logit (every
+# Loss form compiled), and the tile is what the registers allow around it and the gradient's
+# accumulator. (block_n, block_v, max_block_d, num_warps, num_stages, block_k)
 ROW_PASSES = ("rows", "grad", "rows_grad")  # rows and counts; d_hidden alone; all three in one pass
-_B = Blocks
-_HALF = (torch.bfloat16, torch.float16)  # the same tiles for both: the same code, 16-bit operands
-ROW_BLOCKS = {
-    "rows": {torch.float32: (_B(64, 64, 128, 16), _B(32, 64, 128, 8)),
-             **dict.fromkeys(_HALF, (_B(64, 32, 128, 4), _B(64, 32, 128, 8)))},
-    "grad": {torch.float32: (_B(32, 64, 128, 16), _B(16, 32, 64, 4)),
-             **dict.fromkeys(_HALF, (_B(32, 64, 128, 8), _B(32, 64, 64, 8)))},
-    "rows_grad": {torch.float32: (_B(32, 16, 128, 4), _B(32, 32, 64, 8)),
-                  **dict.fromkeys(_HALF, (_B(32, 16, 128, 8), _B(32, 64, 64, 8)))},
-}
-ITEM_BLOCKS = {torch.float32: (_B(64, 32, 128, 16), _B(32, 16, 128, 8)),
-               **dict.fromkeys(_HALF, (_B(32, 32, 128, 4), _B(64, 32, 64, 8)))}
 PASSES = (*ROW_PASSES, "items")
+_B = Blocks
+_HALF_SM_90 = {"rows": _B(64, 32), "grad": _B(64, 16, block_k=32), "rows_grad": _B(64, 16, block_k=16),
+               "items": _B(16, 64)}
+_HALF_SM_80 = {"rows": _B(64, 32), "grad": _B(32, 64), "rows_grad": _B(32, 32), "items": _B(32, 32)}
+_FLOAT = {"rows": _B(32, 16, num_warps=4), "grad": _B(32, 16), "rows_grad": _B(32, 16),
+          "items": _B(32, 16, num_stages=1)}
+SHIPPED = {(torch.float32, 80): _FLOAT, (torch.float32, 90): _FLOAT,
+           **{(dtype, capability): tiles for dtype in (torch.bfloat16, torch.float16)
+              for capability, tiles in ((80, _HALF_SM_80), (90, _HALF_SM_90))}}
 
 
 def row_pass(with_rows: bool, with_counts: bool, with_grad: bool) -> str:
-    """The `ROW_BLOCKS` entry of a `rows_pass` call (rows or counts alone take the forward's)."""
+    """The pass (`SHIPPED`'s key) of a `rows_pass` call (rows or counts alone take the forward's)."""
     if not with_grad:
         return "rows"
     return "rows_grad" if with_rows or with_counts else "grad"
 
 
-def blocks_for(pass_name: str, dtype: torch.dtype, hidden_size: int) -> Blocks:
-    """The shipped `Blocks` of a pass (`PASSES`) for inputs of `dtype` and hidden size D."""
-    narrow, wide = (ITEM_BLOCKS if pass_name == "items" else ROW_BLOCKS[pass_name])[dtype]
-    return narrow if hidden_size <= narrow.max_block_d else wide
+def blocks_for(pass_name: str, dtype: torch.dtype, capability: int = 90) -> Blocks:
+    """The shipped `Blocks` of a pass (`PASSES`) for inputs of `dtype` on a target of compute
+    `capability` (80: Ampere's tiles, also for 8.6 / 8.9; 90 and above: Hopper's)."""
+    return SHIPPED[dtype, 90 if capability >= 90 else 80][pass_name]
+
+
+def capability(device: torch.device) -> int:
+    """The compute capability the tiles are chosen for: the CUDA device's (86 for 8.6), 90 elsewhere
+    (Triton's interpreter, on CPU tensors)."""
+    if device.type != "cuda":
+        return 90
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
 
 
 def precision(dtype: torch.dtype) -> str:
@@ -123,8 +139,14 @@ def kernel_constexprs(dtype: torch.dtype, loss: Loss, blocks: Blocks, hidden_siz
     form = tile_math.loss_constexprs(loss)
     block_d = blocks.block_d(hidden_size)
     return dict(HAS_BIAS=has_bias, HAS_CW=has_class_weight, HAS_PW=has_pos_weight, **outputs, **form,
-                BLOCK_N=blocks.block_n, BLOCK_V=blocks.block_v, BLOCK_D=block_d, ONE_CHUNK=hidden_size <= block_d,
-                PRECISION=precision(dtype))
+                BLOCK_N=blocks.block_n, BLOCK_V=blocks.block_v, BLOCK_D=block_d, BLOCK_K=min(blocks.block_k, block_d),
+                CHUNK=chunk(blocks), PRECISION=precision(dtype))
+
+
+def chunk(blocks: Blocks) -> int:
+    """The items (row pass) or positions (item pass) one float32 product sums before its float64 carry:
+    `shapes.MAX_CONTRACTION`, a multiple of both tile sides (powers of two up to it)."""
+    return max(MAX_CONTRACTION, blocks.block_n, blocks.block_v)
 
 
 def row_outputs(with_rows: bool, with_counts: bool, with_grad: bool) -> dict[str, bool]:
@@ -154,17 +176,20 @@ def rows_pass(hidden, item_weight, ids, bias, class_weight, pos_weight, g, loss:
     `g` is given. `blocks` defaults to the pass's shipped one (`blocks_for`)."""
     n, d = hidden.shape
     outputs = row_outputs(with_rows, with_counts, g is not None)
-    blocks = blocks or blocks_for(row_pass(with_rows, with_counts, g is not None), hidden.dtype, d)
+    blocks = blocks or blocks_for(row_pass(with_rows, with_counts, g is not None), hidden.dtype,
+                                  capability(hidden.device))
     pointers, sizes, numbers, flags = _common(hidden, item_weight, ids, bias, class_weight, pos_weight, loss, blocks,
                                               outputs)
     f32 = dict(dtype=torch.float32, device=hidden.device)
     rows = torch.empty(n if with_rows else 0, **f32)
     counts = torch.empty((2, n) if with_counts else (0,), dtype=torch.int32, device=hidden.device)
-    d_hidden = torch.empty((n, d) if g is not None else (0,), **f32)
+    # d_hidden's float64 carry across chunks (module docstring), rounded to float32 once at the end
+    d_hidden = torch.zeros((n, d) if g is not None else (0,), dtype=torch.float64, device=hidden.device)
     columns = max(1, triton.cdiv(d, flags["BLOCK_D"])) if g is not None else 1  # D = 0: one column
     grid = (triton.cdiv(n, blocks.block_n), columns)
     kernels.row_kernel[grid](*pointers, _or_dummy(g, hidden), rows, counts, d_hidden, *sizes, *numbers, **flags)
-    return (rows if with_rows else None, counts if with_counts else None, d_hidden if g is not None else None)
+    return (rows if with_rows else None, counts if with_counts else None,
+            d_hidden.to(torch.float32) if g is not None else None)
 
 
 def items_pass(hidden, item_weight, ids, bias, class_weight, pos_weight, g, loss: Loss, *, with_items: bool,
@@ -172,7 +197,7 @@ def items_pass(hidden, item_weight, ids, bias, class_weight, pos_weight, g, loss
     """`(d_item_weight [V, D] or None, d_bias [V] or None)` for the row gradient `g [N]`; `blocks`
     defaults to the shipped one (`blocks_for`)."""
     v, d = item_weight.shape
-    blocks = blocks or blocks_for("items", hidden.dtype, d)
+    blocks = blocks or blocks_for("items", hidden.dtype, capability(hidden.device))
     pointers, sizes, numbers, flags = _common(hidden, item_weight, ids, bias, class_weight, pos_weight, loss, blocks,
                                               item_outputs(with_items, with_bias))
     f32 = dict(dtype=torch.float32, device=hidden.device)

@@ -60,14 +60,6 @@ def log1p_unit(e):
 
 
 @triton.jit
-def two_sum(a, b):
-    """`(a + b, its rounding error)`, exactly (Knuth's TwoSum): the compensated sums across tiles."""
-    total = a + b
-    b_part = total - a
-    return total, (a - (total - b_part)) + (b - b_part)
-
-
-@triton.jit
 def integer_power(x, POWER: tl.constexpr):
     """`x ** POWER` for a static POWER >= 1, as plain multiplies."""
     result = x
