@@ -45,7 +45,7 @@ from triton.compiler import ASTSource
 
 from cutbce_common.focal import Focal
 from cutbce_common.loss import Loss
-from torch_cutbce.triton import kernels, launch
+from torch_cutbce.triton import cost_model, kernels, launch
 
 CAPABILITIES = (80, 90)
 GPU_NAMES = {80: "sm_80", 90: "sm_90a"}
@@ -291,15 +291,21 @@ def table() -> None:
               f"{blocks:<16}{GPU_NAMES[case.capability]:<8}{numbers}")
 
 
+def step_instruction_classes() -> dict:
+    """`(pass, dtype) -> instruction class` of the cost model's passes, compiled for sm_90."""
+    cases = [Case(name, dtype, TABLE_LOSS, cost_model.D, 90)
+             for name in cost_model.STEP_PASSES for dtype in cost_model.DTYPES]
+    return {(case.pass_name, case.dtype): usage.instruction_class if isinstance(usage, Usage) else "?"
+            for case, usage in zip(cases, measure_all(cases))}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m torch_cutbce.triton.aot", description=__doc__.split("\n")[0])
     parser.add_argument("--dump-ptx", metavar="DIR", help="write the PTX of every shipped configuration into DIR")
     parser.add_argument("--model", action="store_true", help="print the cost model (an estimate, not a measurement)")
     args = parser.parse_args(argv)
     if args.model:
-        from torch_cutbce.triton import cost_model
-
-        print(cost_model.report())
+        print(cost_model.report(step_instruction_classes()))
     elif args.dump_ptx:
         names = dump_ptx(args.dump_ptx)
         print(f"{len(names)} PTX files in {args.dump_ptx}")

@@ -86,19 +86,9 @@ def native_s(num_items: int) -> float:
     return 3 * 2.0 * N * num_items * D / FP32_PEAK + N * num_items * NATIVE_BYTES_PER_LOGIT / HBM_BYTES
 
 
-def instruction_classes() -> dict:
-    """`(pass, dtype) -> instruction class` of the shipped configurations, compiled for sm_90."""
-    from torch_cutbce.triton import aot
-
-    cases = [aot.Case(name, dtype, aot.TABLE_LOSS, D, 90) for name in STEP_PASSES for dtype in DTYPES]
-    found = aot.measure_all(cases)
-    return {(case.pass_name, case.dtype): usage.instruction_class if isinstance(usage, aot.Usage) else "?"
-            for case, usage in zip(cases, found)}
-
-
-def report(classes: dict | None = None) -> str:
-    """The model's table (`classes`: `instruction_classes()` unless given)."""
-    classes = instruction_classes() if classes is None else classes
+def report(classes: dict) -> str:
+    """The model's table; `classes`: `(pass, dtype) -> instruction class` of the shipped configurations
+    on sm_90 (`aot.step_instruction_classes()`, read from their compiled code)."""
     lines = [f"A MODEL, not a measurement: H100 SXM peaks, N {N}, D {D}, 'mean' with every gradient.",
              f"Assumed: mma.sync on sm_90 at {MMA_SYNC_ON_SM_90} of wgmma's rate, {OPS_PER_LOGIT} FP32 "
              f"instructions per logit per pass, native {NATIVE_BYTES_PER_LOGIT} HBM bytes per logit.",
