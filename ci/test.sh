@@ -6,7 +6,10 @@
 #                     torch_xla): it must pass or skip every test;
 #   ci/jax_newest.sh  the JAX suite on the newest JAX of the [jax] range, Python 3.12 (.venv-jax);
 #   ci/torch_tpu.sh   the TorchTPU bridge's checks: torch 2.13, torch_tpu, jax 0.10.2, libtpu (.venv-tpu).
-#   ci/replay.sh      the RePlay integration against replay-rec 0.22 (torch 2.13 CPU, lightning; .venv-replay).
+#   ci/replay.sh      the RePlay integration against replay-rec 0.22 (torch 2.13 CPU, lightning; .venv-replay);
+#   ci/rectools.sh    the RecTools integration against rectools 0.19 and the core's torch-only tests on
+#                     numpy 1.26 (torch 2.13 CPU; .venv-rectools);
+#   ci/docs.sh        the API reference and the guides as a site, mkdocs build --strict (.venv-docs).
 # The full run starts with the linter (ruff, configured in pyproject.toml).
 # Then the Triton kernels in Triton's interpreter (TRITON_INTERPRET=1, a process of its own).
 # Arguments go to pytest and run only the main suite, in one process:
@@ -31,3 +34,5 @@ time bash ci/core_only.sh
 time bash ci/jax_newest.sh
 time bash ci/torch_tpu.sh
 time bash ci/replay.sh
+time bash ci/rectools.sh
+time bash ci/docs.sh
