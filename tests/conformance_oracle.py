@@ -5,6 +5,7 @@
 - confident rows row by row (`exact_rows_cases`), and rows of logits in the hundreds;
 - zero logits against the closed form of every Loss;
 - a plain `Loss` given as options (gamma 0, smoothing 0) runs the plain code bit for bit;
+- infinite logits (an item row with an infinite entry) give their limits, docs/precision.md's table;
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from conformance_engines import (
     same_dtype_dense,
 )
 from cutbce_common.focal import Focal
-from parity import assert_close, make_upstream
+from parity import assert_close, make_upstream, relative_error
 
 
 class OracleChecks:
@@ -144,6 +145,48 @@ class OracleChecks:
         """Options that make the confident rows' V of 16-ish span several tiles, where the engine
         takes a tile width."""
         return dict(block_v=16) if "block_v" in ENGINES[self.engine][2] else {}
+
+
+    def test_infinite_logits_give_their_limits(self, loss_id, dtype, reduction):
+        """Item B's row is (-inf, 0, ...): its logit is -inf where hidden[:, 0] > 0 (B a positive
+        there) and +inf where it is < 0 (B a positive of rows 0 and 5, a negative elsewhere), so every
+        row but 0 and 5 is +inf (docs/precision.md's table; the Triton engine gave NaN). The limit is
+        the float64 oracle with -1e30 for -inf: the rows and every gradient entry that is finite
+        there match it; d_hidden[:, 0] multiplies the infinite entry: the limit's infinities, or NaN
+        (0 x inf, the table's rule). Under smoothing rows 0 and 5 are +inf too (c |z| at a positive). No -inf at a negative: under smoothing the native and blocked
+        engines take it for a positive (the table)."""
+        n, v, d, b = 6, 40, 4, 11
+        rng = np.random.default_rng(17)
+        hidden, items = rng.normal(size=(n, d)), rng.normal(size=(v, d)) / 2
+        hidden[:, 0] = [-1.0, 0.5, -2.0, 1.5, -0.75, -1.25]
+        items[b] = [-np.inf, 0.0, 0.0, 0.0]
+        targets = np.array([[b, 3], [b, -1], [5, 3], [b, 7], [9, -1], [b, b]])
+        inputs = {"hidden": hidden, "item_weight": items, "targets": targets,
+                  "bias": rng.normal(size=v), "pos_weight": rng.uniform(0.5, 2.0, size=v)}
+        upstream = make_upstream(reduction, (n,), seed=2, dtype=dtype)
+        common = dict(upstream=upstream, reduction=reduction, loss=LOSSES[loss_id], grad_names=("hidden", "item_weight", "bias"),
+                      return_metrics=False)
+        fast = run(self.engine, inputs, dtype=dtype, **common)
+        limit = oracle(self.engine, {**inputs, "item_weight": np.where(np.isinf(items), -1e30, items)}, **common)
+        name = f"{self.engine} {dtype} {loss_id} {reduction}"
+        infinite = {key: np.abs(np.asarray(x, np.float64)) > 1e25 for key, x in limit.items()}
+        touches = np.zeros((n, d), bool)
+        touches[:, 0] = True  # d_hidden's entries that multiply the infinite entry
+        tol = 1e-5 if dtype == "float32" else 2e-2
+        for key, want in limit.items():
+            got, want = np.asarray(fast[key], np.float64), np.asarray(want, np.float64)
+            inf = infinite[key]
+            may_be_nan = touches if key == "d_hidden" else np.zeros(got.shape, bool)
+            at_inf = got[inf]
+            ok = (at_inf == np.sign(want[inf]) * np.inf) | (np.isnan(at_inf) & may_be_nan[inf])
+            assert ok.all(), f"{name}:{key}: {got[inf]} where the limit is {want[inf]}"
+            finite = ~inf & ~may_be_nan
+            assert np.isfinite(got[finite]).all(), f"{name}:{key}: {got} where the limit is {want}"
+            if finite.any():
+                err, _ = relative_error(got[finite], want[finite])
+                assert err <= tol, f"{name}:{key}: {err:.3e} off the limit: {got} vs {want}"
+        if reduction == "none" and not LOSSES[loss_id].label_smoothing:  # smoothing: c |z| at a positive too
+            assert np.isfinite(fast["loss"][[0, 5]]).all() and (fast["loss"][1:5] == np.inf).all(), fast["loss"]
 
 
 def exact_rows_truth(case) -> dict:

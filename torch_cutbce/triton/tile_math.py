@@ -61,10 +61,13 @@ def log1p_unit(e):
 
 @triton.jit
 def two_sum(a, b):
-    """`(a + b, its rounding error)`, exactly (Knuth's TwoSum): the compensated sums across tiles."""
+    """`(a + b, its rounding error)`, exactly (Knuth's TwoSum): the compensated sums across tiles.
+    An infinite sum has no rounding error: 0, not the formula's `inf - inf` (NaN: a row with a +inf
+    term gave NaN instead of +inf); a NaN sum stays NaN."""
     total = a + b
     b_part = total - a
-    return total, (a - (total - b_part)) + (b - b_part)
+    error = (a - (total - b_part)) + (b - b_part)
+    return total, tl.where(tl.abs(total) < float("inf"), error, 0.0)
 
 
 @triton.jit
@@ -114,7 +117,8 @@ def labelled_terms(z, y, numbers_ptr, FOCAL: tl.constexpr, POWER: tl.constexpr, 
             if POWER > 0:
                 factor = factor * integer_power(tl.where(u < 0, e, 1.0), POWER)
             bend = sigmoid_flip
-        slope = factor * (gamma * bend * plus + slope)
+        bent = gamma * bend * plus
+        slope = factor * (tl.where(bend == 0.0, 0.0, bent) + slope)  # bend -> 0 as plus -> inf: not NaN
         plus = factor * plus
     if BALANCED:
         scale = tl.where(y, tl.load(numbers_ptr + 3), tl.load(numbers_ptr + 4))
