@@ -139,7 +139,7 @@ def exact_as_dense(engine: str, run: PropertyRun) -> None:
 
     examples = [{"spec": explicit(name, ids)} for name in _examples(run)]
     strategy = specs(dtypes=_dtypes(engine, run), max_n=run.max_n, max_v=run.max_v, ids=ids,
-                     layouts=run.layouts, refusable=True)
+                     layouts=run.layouts, refusable=True, narrow_ids=True, infinities=True)
     counts_outcomes(_hypothesis_test(holds, engine, run, examples, spec=strategy))()
 
 
