@@ -12,7 +12,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cutbce_common.focal import Focal
 from cutbce_common.shapes import AxisName, ArraySpec, check_arguments, check_largest_id
 
 
@@ -85,29 +84,6 @@ def check_constant(name: str, t: torch.Tensor | None) -> None:
             f"{name} requires grad, but CutBCE treats {name} as a constant (no gradient is computed); "
             f"pass {name}.detach()"
         )
-
-
-def _python_float(value):
-    """A float as a Python constant: dynamo formats a symbolic float's value into an f-string (and
-    guards on it: a new value recompiles), and Python's float repr reads back exactly. Anything else
-    is returned unchanged (the checks then name what it is)."""
-    return float(f"{value}") if type(value) is float or isinstance(value, torch.SymFloat) else value
-
-
-def loss_options_in_python(focal, label_smoothing):
-    """`(focal, label_smoothing)` as Python constants under torch.compile, eager calls unchanged.
-
-    With dynamic=True dynamo passes a float it reads from a global, a default (label_smoothing's own
-    0.0) or an object (a Focal's gamma and alpha, a CutBCE module's options) as a symbolic float,
-    which the options' checks in `Loss` (`math.isfinite`) cannot take: one graph failed. Made
-    constants here, the checks run once per compile, in Python, and the options reach the engines'
-    encoded options as they do eagerly; the Focal is rebuilt from its constant fields, so it is
-    checked as at its construction."""
-    if not torch.compiler.is_compiling():
-        return focal, label_smoothing
-    if isinstance(focal, Focal):
-        focal = Focal(_python_float(focal.gamma), _python_float(focal.alpha), focal.apply_class_balancing)
-    return focal, _python_float(label_smoothing)
 
 
 def check_ids_below_vocab(targets: torch.Tensor, num_items: int) -> None:

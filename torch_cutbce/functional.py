@@ -122,7 +122,6 @@ def cut_bce_with_logits(
     # The dtypes the logits' matmul sees (autocast's, or promoted) decide the engine and its dtype check.
     hidden, item_weight, bias = arguments.matmul_dtype_inputs(hidden, item_weight, bias)
     backend = engines.resolve_backend(backend, hidden)
-    focal, label_smoothing = arguments.loss_options_in_python(focal, label_smoothing)  # dynamic=True's symbols
     loss = Loss(focal, label_smoothing)  # the per-element math, checked (its errors name the argument)
     engines.check_parallel_options(backend, mesh, vocab_parallel, vocab_axis, data_axis)  # on the resolved backend
     engine = engines.select(backend, vocab_parallel)
