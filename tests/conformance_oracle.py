@@ -38,9 +38,9 @@ class OracleChecks:
     row_losses: tuple[str, ...] = ("plain", "focal0.5-balanced", "smoothing0.1", "smoothing0.2-focal1.5-balanced")
     row_dtypes: tuple[str, ...] = ("float32",)
     row_sums: bool = True  # the confident rows' 'sum' too (the one-pass path) against their summed truth
-    # The infinite-logit cases (test_infinite_logits_give_their_limits); the blocked JAX loop marks a
-    # positive with -inf in its tile and gives a -inf logit at a negative a 0 slope under smoothing
-    # (docs/precision.md): 'positives' only.
+    # The infinite-logit cases (test_infinite_logits_give_their_limits); the native and blocked engines
+    # mark a positive with -inf in their tile and give a -inf logit at a negative a 0 slope under
+    # smoothing (docs/precision.md): 'positives' only.
     infinite_cases: tuple[str, ...] = ("positives", "negatives")
 
     def parametrize(self, metafunc):
@@ -158,8 +158,9 @@ class OracleChecks:
         < 0. 'positives': B is a positive of rows 0 and 5 (+inf: adds 0 without smoothing) and where
         its logit is -inf, a negative at +inf elsewhere: every row but 0 and 5 is +inf
         (docs/precision.md's table; the Triton engine gave NaN). 'negatives': B is a negative at -inf
-        in rows 0, 2 and 5; their gradients are the limit's (smoothing's slope there is -c: the native
-        engine's were 0, 1-17% off), their loss the table's (native: 0 there under smoothing).
+        in rows 0, 2 and 5; their gradients are the limit's (smoothing's slope there is -c), their loss
+        the table's: the engines that mark a positive with -inf in their tile (native, blocked) run
+        'positives' only (docs/precision.md: slope 0 there).
         The limit is the float64 oracle with -1e30 for -inf: every result entry it makes infinite is
         that infinity, the others match it; d_hidden[:, 0] multiplies the infinite entry: the
         limit's infinities, or NaN (0 x inf, the table's rule)."""

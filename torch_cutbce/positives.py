@@ -105,12 +105,6 @@ def positive_terms(logits, ids, class_weight, pos_weight, g=None, loss=None):
     dz = slope * g.unsqueeze(-1)
     if weight is not None:
         dz = dz * weight
-    if loss is not None and loss.form().smoothing:
-        # The tile kept a negative's slope at -inf (smoothing's limit, `fused_tile._smoothed_at_minus_inf`)
-        # at this positive too: taken back here, times the tile's weight g cw.
-        at_minus_inf = branch_math.branch_terms(logits.new_full((1,), float("-inf")), False, loss)[1]
-        cw = g.unsqueeze(-1) if class_weight is None else g.unsqueeze(-1) * class_weight.to(logits.dtype)[index]
-        dz = dz - torch.where(torch.isfinite(cw), at_minus_inf * cw, 0.0)
     return value, torch.where(valid, dz, 0.0)
 
 

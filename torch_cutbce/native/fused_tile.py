@@ -72,14 +72,6 @@ def _taken_out_to_zero(z, dz):
     return torch.where(z == float("-inf"), 0.0, dz)
 
 
-def _smoothed_at_minus_inf(z, dz, gcw):
-    """Under smoothing a negative's slope at z = -inf is not 0 but its limit (-c, times the focal
-    factor and scale): dz keeps it there, so that a -inf logit at a negative gets its limit's
-    gradient; `positives.positive_terms` takes it back from the positives taken out (z = -inf too).
-    Exactly 0 where g cw is infinite (inf x the limit would not cancel)."""
-    return torch.where((z == float("-inf")) & ~torch.isfinite(gcw), 0.0, dz)
-
-
 def _rows_grad(z, cw, g, out):
     e = branch_math.exp_neg_abs(z)
     rows = _row_sum(branch_math.softplus(z, e) * cw)
@@ -112,16 +104,13 @@ def _loss_functions(form) -> dict:
     def loss_rows(z, cw, params):
         return _row_sum(terms(z, params)[0] * cw)
 
-    def masked(z, slope, gcw):
-        return _smoothed_at_minus_inf(z, slope * gcw, gcw) if form.smoothing else _taken_out_to_zero(z, slope * gcw)
-
     def loss_rows_grad(z, cw, params, g, out):
         term, slope = terms(z, params)
-        out.copy_(masked(z, slope, g * cw))
+        out.copy_(_taken_out_to_zero(z, slope * (g * cw)))
         return _row_sum(term * cw)
 
     def loss_grad(z, cw, params, g, out):
-        out.copy_(masked(z, terms(z, params)[1], g * cw))
+        out.copy_(_taken_out_to_zero(z, terms(z, params)[1] * (g * cw)))
 
     functions = {"loss_rows": loss_rows, "loss_rows_grad": loss_rows_grad, "loss_grad": loss_grad}
     return {name: _own_code(function, form) for name, function in functions.items()}
@@ -154,16 +143,13 @@ def _eager_weighted_sum(loss, cw):
     return (loss if cw is None else loss.mul_(cw)).sum(-1)
 
 
-def _eager_dz_into(out, z, cw, g, slope=None, smoothing=False):
+def _eager_dz_into(out, z, cw, g, slope=None):
     """`out = slope g cw` (`slope` None: `out` holds it), 0 at the positives taken out (as
-    _taken_out_to_zero; with `smoothing` as _smoothed_at_minus_inf)."""
+    _taken_out_to_zero)."""
     torch.mul(out if slope is None else slope, g, out=out)
     if cw is not None:
         out.mul_(cw)
-    taken_out = z == float("-inf")
-    if smoothing:
-        taken_out &= ~torch.isfinite(g if cw is None else g * cw)
-    out.masked_fill_(taken_out, 0.0)  # out is never z here
+    out.masked_fill_(z == float("-inf"), 0.0)  # out is never z here
 
 
 def _eager_softplus_sum(z, e, cw):
@@ -191,12 +177,12 @@ def _eager_loss_rows(z, cw, loss):
 
 def _eager_loss_rows_grad(z, cw, loss, g, out):
     term, slope = branch_math.branch_terms(z, False, loss)
-    _eager_dz_into(out, z, cw, g, slope, smoothing=loss.form().smoothing)
+    _eager_dz_into(out, z, cw, g, slope)
     return _eager_weighted_sum(term, cw)
 
 
 def _eager_loss_grad(z, cw, loss, g, out):
-    _eager_dz_into(out, z, cw, g, branch_math.branch_terms(z, False, loss)[1], smoothing=loss.form().smoothing)
+    _eager_dz_into(out, z, cw, g, branch_math.branch_terms(z, False, loss)[1])
 
 
 _EAGER = {"rows": _eager_rows, "rows_grad": _eager_rows_grad, "grad": _eager_grad, "counts": _counts,
