@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from torch_cutbce.triton.tile_math import labelled_terms, two_sum
+from torch_cutbce.triton.tile_math import compensated, labelled_terms, two_sum
 
 
 @triton.jit
@@ -142,12 +142,12 @@ def row_kernel(h_ptr, w_ptr, bias_ptr, cw_ptr, pw_ptr, ids_ptr, g_ptr, rows_ptr,
             dh_error += error
     first = tl.program_id(1) == 0
     if WITH_ROWS:
-        tl.store(rows_ptr + rows, loss + loss_error, mask=row_mask & first)
+        tl.store(rows_ptr + rows, compensated(loss, loss_error), mask=row_mask & first)
     if WITH_COUNTS:
         tl.store(counts_ptr + rows, predicted - hits, mask=row_mask & first)
         tl.store(counts_ptr + N + rows, hits, mask=row_mask & first)
     if WITH_GRAD:
-        _store_block(dh_ptr, dh + dh_error, N, D, row_start, tl.program_id(1) * BLOCK_D, BLOCK_N, BLOCK_D)
+        _store_block(dh_ptr, compensated(dh, dh_error), N, D, row_start, tl.program_id(1) * BLOCK_D, BLOCK_N, BLOCK_D)
 
 
 @triton.jit

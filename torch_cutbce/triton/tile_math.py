@@ -62,12 +62,18 @@ def log1p_unit(e):
 @triton.jit
 def two_sum(a, b):
     """`(a + b, its rounding error)`, exactly (Knuth's TwoSum): the compensated sums across tiles.
-    An infinite sum has no rounding error: 0, not the formula's `inf - inf` (NaN: a row with a +inf
-    term gave NaN instead of +inf); a NaN sum stays NaN."""
+    An infinite sum's error is NaN (`inf - inf`): `compensated` drops it at the end."""
     total = a + b
     b_part = total - a
-    error = (a - (total - b_part)) + (b - b_part)
-    return total, tl.where(tl.abs(total) < float("inf"), error, 0.0)
+    return total, (a - (total - b_part)) + (b - b_part)
+
+
+@triton.jit
+def compensated(total, error):
+    """`total + error` of a compensated sum; an infinite total has no rounding error (TwoSum's NaN
+    there made a row with a +inf term NaN instead of +inf). Once per output, not per tile: a select
+    in every step spilled registers."""
+    return tl.where(tl.abs(total) < float("inf"), total + error, total)
 
 
 @triton.jit
@@ -117,8 +123,8 @@ def labelled_terms(z, y, numbers_ptr, FOCAL: tl.constexpr, POWER: tl.constexpr, 
             if POWER > 0:
                 factor = factor * integer_power(tl.where(u < 0, e, 1.0), POWER)
             bend = sigmoid_flip
-        bent = gamma * bend * plus
-        slope = factor * (tl.where(bend == 0.0, 0.0, bent) + slope)  # bend -> 0 as plus -> inf: not NaN
+        # bend is 0 where plus is inf (|u| = inf): the limit of their product is 0, not NaN
+        slope = factor * (gamma * bend * tl.minimum(plus, 3.4028234663852886e38) + slope)
         plus = factor * plus
     if BALANCED:
         scale = tl.where(y, tl.load(numbers_ptr + 3), tl.load(numbers_ptr + 4))
