@@ -44,8 +44,8 @@ class Focal:
         object.__setattr__(self, "alpha", float(self.alpha))
 
     def validate(self) -> None:
-        """Raises TypeError / ValueError naming the field that is out of range. Run at construction
-        and again by `check_focal` at every call (a frozen dataclass can still be changed through
+        """Raises TypeError / ValueError naming the field that is out of range. Run at construction,
+        and at every call by `check_focal`'s rebuild (a frozen dataclass can still be changed through
         `object.__setattr__`)."""
         for name in ("gamma", "alpha"):
             value = getattr(self, name)
@@ -76,6 +76,15 @@ class Focal:
         return 1.0 - self.alpha if self.apply_class_balancing else 1.0
 
 
+def python_float(value):
+    """`value` as a Python float constant where it is a float, else unchanged. Under
+    `torch.compile(dynamic=True)` dynamo passes a float read from a default (label_smoothing's 0.0),
+    a global or an object (a Focal's fields) as a symbol, which `math.isfinite` cannot take (one
+    graph failed); formatted, its value becomes a constant of the trace (dynamo guards on it: a new
+    value recompiles), and a float's repr reads back exactly. Plain Python eagerly."""
+    return float(f"{value}") if isinstance(value, float) else value
+
+
 def is_real(value) -> bool:
     """A number as the options take it: Python's int and float and numpy's scalars (`numbers.Real`;
     numpy's bool is none), never a bool."""
@@ -90,6 +99,7 @@ def check_focal(focal) -> Focal | None:
         return None
     if not isinstance(focal, Focal):
         raise TypeError(f"focal must be None or a Focal(gamma, alpha, apply_class_balancing), got {focal!r}")
-    focal.validate()
+    # Rebuilt from its fields as constants (`python_float`): checked as at construction.
+    focal = Focal(python_float(focal.gamma), python_float(focal.alpha), focal.apply_class_balancing)
     return None if focal.gamma == 0.0 and not focal.apply_class_balancing else focal
 

@@ -31,7 +31,7 @@ import dataclasses
 import math
 from typing import NamedTuple
 
-from cutbce_common.focal import Focal, check_focal, is_real
+from cutbce_common.focal import Focal, check_focal, is_real, python_float
 
 # The smallest smoothing taken besides 0. With class balancing at alpha 0 or 1 a branch's scale is
 # the smoothing's half c, which multiplies every term of that branch: at 2**-100, c times any factor
@@ -127,7 +127,8 @@ def _check_fields(kind, arguments: dict) -> None:
 
 def check_label_smoothing(value) -> float:
     """`label_smoothing` as a float in [0, 1]: any real number (Python's or numpy's scalars) but a
-    bool; a ValueError / TypeError naming it otherwise."""
+    bool; a ValueError / TypeError naming it otherwise. A constant first (`focal.python_float`)."""
+    value = python_float(value)
     if not is_real(value) or not math.isfinite(value):
         raise TypeError(f"label_smoothing must be a finite real number in [0, 1], got {value!r}")
     if not 0 <= value <= 1:

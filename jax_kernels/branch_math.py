@@ -125,7 +125,8 @@ def loss_terms(u, e, loss):
         bend = (1 - 2 * c) * sigmoid_u * sigmoid_flip(u, e) / q
     else:
         factor, bend = focal_factor(u, e, tail, numbers.gamma), sigmoid_flip(u, e)
-    return factor * plus, factor * (numbers.gamma * bend * plus + slope)
+    bent = jnp.where(bend == 0, 0.0, numbers.gamma * bend * plus)  # bend -> 0 as plus -> inf: the limit 0, not NaN
+    return factor * plus, factor * (bent + slope)
 
 
 def _scaled(loss_value, slope, positive, loss):

@@ -27,11 +27,14 @@ OPTIONS = ("bias", "weight", "class_weight", "pos_weight")
 class Spec:
     """One example, drawn by hypothesis. Logits are ~ hidden_scale * item_scale (+ bias_scale).
 
+    infinite: 'hidden' or 'item': one entry of hidden (or of the item table) is +-inf, where the other
+    factor's column has no 0 and every weight is positive (no 0 x inf), so its row (or item) of logits
+    is infinite; checked against the limit (`_properties_checks.check_limits`).
     confident: 'some' (rows 0, 2, 4, ...) or 'all' rows get one positive (the same item, maybe
     repeated) with logit +20..+100 while every other logit of theirs sits at -10..-50 (through the
     bias, or through hidden[:, 0] with item_weight[:, 0] as the level; not possible without bias
     for D < 2); padding: '-1', or 'mixed' (-1, -7, -2**31 and,
-    for int64 ids, -2**40). layouts: torch only, ((argument, layout), ...) where not contiguous.
+    for int64 ids, -2**40; a narrow dtype's most negative value; uint8 ids have none). layouts: torch only, ((argument, layout), ...) where not contiguous.
     """
 
     dtype: str = "float32"
@@ -54,6 +57,7 @@ class Spec:
     duplicates: bool = False
     id_dtype: str = "int64"
     layouts: tuple[tuple[str, str], ...] = ()
+    infinite: str = "none"
     seed: int = 0
 
 
@@ -93,6 +97,10 @@ def round_to(x, dtype: str) -> np.ndarray:
 
 
 def most_negative_ids(id_dtype: str) -> tuple[int, ...]:
+    """The padding ids of 'mixed' beside -1 and -7: the dtype's most negative values (none for uint8)."""
+    narrow = {"int8": (-(2**7),), "int16": (-(2**15),), "uint8": ()}
+    if id_dtype in narrow:
+        return narrow[id_dtype]
     return (-(2**31),) if id_dtype == "int32" else (-(2**31), -(2**40))
 
 
@@ -104,7 +112,8 @@ def build(spec: Spec) -> Example:
     bias = rng.normal(size=v) * spec.bias_scale if spec.bias else None
     targets = _targets(rng, spec, n, v)
     if spec.confident != "none":
-        _make_confident(rng, hidden, items, bias, targets, every=2 if spec.confident == "some" else 1)
+        _make_confident(rng, hidden, items, bias, targets, every=2 if spec.confident == "some" else 1,
+                        padded=spec.id_dtype != "uint8")
     inputs = {"hidden": hidden.reshape(*spec.lead_shape, d), "item_weight": items,
               "targets": targets.reshape(*spec.lead_shape, spec.num_slots), "bias": bias}
     inputs["weight"] = _weights(rng, spec.weight, n, (0.5, 1.5))
@@ -112,6 +121,9 @@ def build(spec: Spec) -> Example:
     inputs["pos_weight"] = _weights(rng, spec.pos_weight, v, (0.5, 3.0))
     if inputs["weight"] is not None:
         inputs["weight"] = inputs["weight"].reshape(spec.lead_shape)
+    if spec.infinite != "none" and all(kind in ("none", "positive") for kind in (spec.weight, spec.class_weight,
+                                                                               spec.pos_weight)):
+        _make_infinite(rng, hidden if spec.infinite == "hidden" else items, items if spec.infinite == "hidden" else hidden)
     inputs = {k: x for k, x in inputs.items() if x is not None}
     for name, layout in spec.layouts:
         if layout == "expanded" and name in inputs and inputs[name].ndim and inputs[name].shape[0]:
@@ -129,22 +141,24 @@ def _targets(rng, spec, n, v):
     pool = rng.integers(0, v, size=min(v, 3))  # few distinct ids: duplicates within a row
     targets = np.empty((n, spec.num_slots), np.int64)
     for row in range(n):
-        k = int(rng.integers(0, spec.num_slots + 1))
+        # uint8 ids hold no padding: every slot is an id (duplicates count once)
+        k = spec.num_slots if spec.id_dtype == "uint8" else int(rng.integers(0, spec.num_slots + 1))
         ids = rng.choice(pool, k) if spec.duplicates else rng.integers(0, v, k)
         padding = rng.choice(np.asarray(pads, np.int64), spec.num_slots - k)
         targets[row] = rng.permutation(np.concatenate([ids, padding]))
     return targets
 
 
-def _make_confident(rng, hidden, items, bias, targets, every):
-    """Rows 0, every, 2 every, ...: item p at +20..+100, every other item at -10..-50 (see Spec). In place."""
+def _make_confident(rng, hidden, items, bias, targets, every, padded=True):
+    """Rows 0, every, 2 every, ...: item p at +20..+100, every other item at -10..-50 (see Spec). In
+    place; without `padded` (uint8 ids) p fills the rows' slots."""
     n, slots = targets.shape
     (v, d), rows = items.shape, np.arange(0, n, every)
     if not rows.size or not slots or (bias is None and d < 2):
         return
     p = int(rng.integers(0, v))
     alpha, beta = rng.uniform(20, 100, size=rows.size), rng.uniform(10, 50, size=v)
-    targets[rows] = -1
+    targets[rows] = -1 if padded else p
     targets[rows, 0] = p
     if slots > 1:
         targets[rows, -1] = p  # a duplicate
@@ -163,6 +177,16 @@ def _make_confident(rng, hidden, items, bias, targets, every):
     size, norm = 2 * (alpha.max() + beta[p]), np.linalg.norm(e[p])
     e[p] = (e[p] / norm if norm > 0 else np.eye(e.shape[1])[0]) * size
     hidden[rows, spike] = (alpha + beta[p])[:, None] * e[p] / size**2
+
+
+def _make_infinite(rng, where, other):
+    """One entry of `where` becomes +-inf, in a column where `other` has no 0 (its logits are then
+    all infinite, none NaN); nothing where there is no such column. In place."""
+    columns = np.flatnonzero((other != 0).all(axis=0)) if other.shape[0] else np.arange(other.shape[1])
+    if not where.shape[0] or not columns.size:
+        return
+    row, column = int(rng.integers(0, where.shape[0])), int(rng.choice(columns))
+    where[row, column] = rng.choice((-np.inf, np.inf))
 
 
 def _weights(rng, kind, size, positive_range):
@@ -200,7 +224,7 @@ def allowed_refusals(spec: Spec, engine: str) -> frozenset:
     reach the oracle. More than one when a spec breaks several rules (the first check raises).
 
     Everything else a spec can draw is valid: N = 0, D = 0, L = 0, any float dtype of the engine,
-    int32 / int64 ids, negative padding ids of any size, signed or zero weights, any layout.
+    ids of any accepted integer dtype that holds them, negative padding ids of any size, signed or zero weights, any layout.
     """
     refusals = set()
     if spec.block_v is not None and spec.block_v < 1:

@@ -18,6 +18,9 @@ from _properties_examples import LAYOUTS, MUTATIONS, WEIGHT_KINDS, Spec
 TORCH_DTYPES = ("float32", "float64", "bfloat16", "float16")
 JAX_DTYPES = ("float32", "float64", "bfloat16")
 IGNORED_IDS_DTYPES = ("float32", "bfloat16")  # Property C's: the dtypes users train in
+# The narrow id dtypes Property A also draws, each where V fits (ids < V <= its bound): every engine
+# must give int64's results (issue 46: uint8 padding ids wrapped to item 255).
+NARROW_IDS = {"int8": 2**7, "uint8": 2**8, "int16": 2**15}
 SHRINK_EVERYWHERE = False  # set True locally for minimal examples from the compiling paths (slow)
 JAX_MUTATIONS = tuple(m for m in MUTATIONS if m != "list_item_weight")  # JAX takes array-likes (docs/precision.md)
 
@@ -73,9 +76,12 @@ def budget(max_examples, shrink=True):
 
 
 @st.composite
-def specs(draw, *, dtypes, max_n=64, max_v=5000, max_d=32, min_v=1, ids="int64", layouts=False, refusable=False):
+def specs(draw, *, dtypes, max_n=64, max_v=5000, max_d=32, min_v=1, ids="int64", layouts=False, refusable=False,
+          narrow_ids=False, infinities=False):
     """A `Spec`. ids: 'int64', 'int32', 'jit' (int32 with x64 off, int64 for float64) or 'any'.
-    refusable: now and then (about 1 in 16) a block_v < 1, which every engine must refuse (Property A)."""
+    refusable: now and then (about 1 in 16) a block_v < 1, which every engine must refuse (Property A).
+    narrow_ids: about a third of the time ids of a `NARROW_IDS` dtype that holds every id < V instead.
+    infinities: a third of the time an infinite hidden or item entry (`Spec.infinite`)."""
     dtype = draw(st.sampled_from(dtypes))
     if draw(st.booleans()):
         first = draw(st.integers(0, 8))
@@ -86,22 +92,28 @@ def specs(draw, *, dtypes, max_n=64, max_v=5000, max_d=32, min_v=1, ids="int64",
     half16 = dtype == "float16"  # keep float16 gradients below its 65504 overflow
     bias = draw(st.booleans())
     id_dtype = {"jit": "int64" if dtype == "float64" else "int32", "any": None}.get(ids, ids)
+    fits = [name for name, bound in NARROW_IDS.items() if v <= bound]
+    if narrow_ids and fits and draw(st.integers(0, 2)) == 0:
+        id_dtype = draw(st.sampled_from(fits))
     if refusable and draw(st.integers(0, 15)) == 15:
         block_v = draw(st.sampled_from((0, -1, -v)))
     else:
         block_v = draw(st.none() | st.integers(-(-v // 64), v + 3))
+    infinite = draw(st.sampled_from(("none",) * 4 + ("hidden", "item"))) if infinities else "none"
+    weights = WEIGHT_KINDS if infinite == "none" else ("none", "positive")  # no 0 x inf (`Spec.infinite`)
     return Spec(
         dtype=dtype, lead_shape=lead, num_items=v, hidden_size=draw(st.integers(0, max_d)),
         num_slots=draw(st.integers(0, min(v + 3, 6)) | st.integers(0, min(v + 3, 40))),
         reduction=draw(st.sampled_from(("none", "sum", "mean"))), return_metrics=draw(st.booleans()),
         block_v=block_v, bias=bias,
-        weight=draw(st.sampled_from(WEIGHT_KINDS)), class_weight=draw(st.sampled_from(WEIGHT_KINDS)),
-        pos_weight=draw(st.sampled_from(WEIGHT_KINDS)),
+        weight=draw(st.sampled_from(weights)), class_weight=draw(st.sampled_from(weights)),
+        pos_weight=draw(st.sampled_from(weights)),
         hidden_scale=draw(st.sampled_from((1.0, 0.0, 1e-3, 10.0) + (() if half16 else (100.0,)))),
         item_scale=draw(st.sampled_from((1.0, 0.1) + (() if half16 else (10.0,)))),
         bias_scale=draw(st.sampled_from((1.0, 30.0) + (() if half16 else (1000.0,)))) if bias else 1.0,
         confident=draw(st.sampled_from(("none", "some", "all"))), padding=draw(st.sampled_from(("-1", "mixed"))),
         duplicates=draw(st.booleans()), id_dtype=id_dtype or draw(st.sampled_from(("int64", "int32"))),
+        infinite=infinite,
         layouts=tuple((name, layout) for name in ("hidden", "item_weight", "targets", "bias", "weight",
                                                   "class_weight", "pos_weight")
                       if (layout := draw(st.sampled_from(LAYOUTS))) != "contiguous") if layouts else (),

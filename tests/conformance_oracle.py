@@ -5,6 +5,7 @@
 - confident rows row by row (`exact_rows_cases`), and rows of logits in the hundreds;
 - zero logits against the closed form of every Loss;
 - a plain `Loss` given as options (gamma 0, smoothing 0) runs the plain code bit for bit;
+- infinite logits (an item row with an infinite entry) give their limits, docs/precision.md's table;
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from conformance_engines import (
     same_dtype_dense,
 )
 from cutbce_common.focal import Focal
-from parity import assert_close, make_upstream
+from parity import assert_close, make_upstream, relative_error
 
 
 class OracleChecks:
@@ -37,6 +38,10 @@ class OracleChecks:
     row_losses: tuple[str, ...] = ("plain", "focal0.5-balanced", "smoothing0.1", "smoothing0.2-focal1.5-balanced")
     row_dtypes: tuple[str, ...] = ("float32",)
     row_sums: bool = True  # the confident rows' 'sum' too (the one-pass path) against their summed truth
+    # The infinite-logit cases (test_infinite_logits_give_their_limits); the native and blocked engines
+    # mark a positive with -inf in their tile and give a -inf logit at a negative a 0 slope under
+    # smoothing (docs/precision.md): 'positives' only.
+    infinite_cases: tuple[str, ...] = ("positives", "negatives")
 
     def parametrize(self, metafunc):
         """Each check over this engine's share of the matrix (`dtypes`, `reductions`, `losses`)."""
@@ -49,6 +54,8 @@ class OracleChecks:
             metafunc.parametrize("dtype", self.dtypes)
         if "reduction" in metafunc.fixturenames:
             metafunc.parametrize("reduction", self.reductions)
+        if "infinite_case" in metafunc.fixturenames:
+            metafunc.parametrize("infinite_case", self.infinite_cases)
 
     def test_matches_the_float64_oracle(self, loss_id, dtype, reduction):
         """Loss, every gradient and the metrics within the dtype's tolerance of the oracle, for a
@@ -145,6 +152,55 @@ class OracleChecks:
         takes a tile width."""
         return dict(block_v=16) if "block_v" in ENGINES[self.engine][2] else {}
 
+
+    def test_infinite_logits_give_their_limits(self, loss_id, dtype, reduction, infinite_case):
+        """Item B's row is (-inf, 0, ...): its logit is -inf where hidden[:, 0] > 0 and +inf where it is
+        < 0. 'positives': B is a positive of rows 0 and 5 (+inf: adds 0 without smoothing) and where
+        its logit is -inf, a negative at +inf elsewhere: every row but 0 and 5 is +inf
+        (docs/precision.md's table; the Triton engine gave NaN). 'negatives': B is a negative at -inf
+        in rows 0, 2 and 5; their gradients are the limit's (smoothing's slope there is -c), their loss
+        the table's: the engines that mark a positive with -inf in their tile (native, blocked) run
+        'positives' only (docs/precision.md: slope 0 there).
+        The limit is the float64 oracle with -1e30 for -inf: every result entry it makes infinite is
+        that infinity, the others match it; d_hidden[:, 0] multiplies the infinite entry: the
+        limit's infinities, or NaN (0 x inf, the table's rule)."""
+        n, v, d, b = 6, 40, 4, 11
+        rng = np.random.default_rng(17)
+        hidden, items = rng.normal(size=(n, d)), rng.normal(size=(v, d)) / 2
+        items[b] = [-np.inf, 0.0, 0.0, 0.0]
+        if infinite_case == "positives":
+            hidden[:, 0] = [-1.0, 0.5, -2.0, 1.5, -0.75, -1.25]
+            targets = np.array([[b, 3], [b, -1], [5, 3], [b, 7], [9, -1], [b, b]])
+        else:
+            hidden[:, 0] = [1.0, -0.5, 2.0, 1.5, -0.75, 1.25]
+            targets = np.array([[3, 4], [b, -1], [5, 3], [b, 7], [9, -1], [2, 2]])
+        inputs = {"hidden": hidden, "item_weight": items, "targets": targets, "bias": rng.normal(size=v),
+                  "class_weight": rng.uniform(0.5, 2.0, size=v), "pos_weight": rng.uniform(0.5, 2.0, size=v)}
+        upstream = make_upstream(reduction, (n,), seed=2, dtype=dtype)
+        loss = LOSSES[loss_id]
+        common = dict(upstream=upstream, reduction=reduction, loss=loss, grad_names=("hidden", "item_weight", "bias"),
+                      return_metrics=False)
+        fast = run(self.engine, inputs, dtype=dtype, **common)
+        limit = oracle(self.engine, {**inputs, "item_weight": np.where(np.isinf(items), -1e30, items)}, **common)
+        if infinite_case == "negatives" and loss.label_smoothing:
+            del fast["loss"], limit["loss"]  # +inf, or 0 where -inf marks a positive taken out (the table)
+        name = f"{self.engine} {dtype} {loss_id} {reduction} {infinite_case}"
+        tol = {"float64": 1e-9, "float32": 1e-5}.get(dtype, 2e-2)
+        for key, want in limit.items():
+            got, want = np.asarray(fast[key], np.float64), np.asarray(want, np.float64)
+            infinite = np.abs(want) > 1e25
+            may_be_nan = np.zeros(got.shape, bool)
+            if key == "d_hidden":
+                may_be_nan[:, 0] = True  # the entries that multiply the infinite entry
+            ok = (got == np.sign(want) * np.inf) | (np.isnan(got) & may_be_nan)
+            assert ok[infinite].all(), f"{name}:{key}: {got[infinite]} where the limit is {want[infinite]}"
+            finite = ~infinite & ~may_be_nan
+            assert np.isfinite(got[finite]).all(), f"{name}:{key}: {got} where the limit is {want}"
+            if finite.any():
+                err, _ = relative_error(got[finite], want[finite])
+                assert err <= tol, f"{name}:{key}: {err:.3e} off the limit: {got} vs {want}"
+        if reduction == "none" and infinite_case == "positives" and not loss.label_smoothing:
+            assert np.isfinite(fast["loss"][[0, 5]]).all() and (fast["loss"][1:5] == np.inf).all(), fast["loss"]
 
 def exact_rows_truth(case) -> dict:
     """`exact_rows_cases.truth` in the oracle's keys (loss, d_hidden, d_item_weight)."""

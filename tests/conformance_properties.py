@@ -72,6 +72,7 @@ class PropertyRun:
       layouts: A also draws transposed, strided and expanded torch CPU tensors.
       examples: the explicit examples A and C run first (`_properties_strategies.EXAMPLES` names);
         None: the check's `DEFAULT_EXAMPLES`.
+      infinities: A also draws infinite hidden / item entries (`Spec.infinite`), checked against the limit.
     """
 
     check: str
@@ -83,6 +84,7 @@ class PropertyRun:
     max_v: int = 5000
     layouts: bool = False
     examples: tuple[str, ...] | None = None
+    infinities: bool = True
 
     def __post_init__(self):
         if self.check not in CHECKS:
@@ -139,7 +141,7 @@ def exact_as_dense(engine: str, run: PropertyRun) -> None:
 
     examples = [{"spec": explicit(name, ids)} for name in _examples(run)]
     strategy = specs(dtypes=_dtypes(engine, run), max_n=run.max_n, max_v=run.max_v, ids=ids,
-                     layouts=run.layouts, refusable=True)
+                     layouts=run.layouts, refusable=True, narrow_ids=True, infinities=run.infinities)
     counts_outcomes(_hypothesis_test(holds, engine, run, examples, spec=strategy))()
 
 

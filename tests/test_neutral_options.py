@@ -215,7 +215,7 @@ def opcheck_chunked_ops(chunked, t: dict, options: str, g_dtype: torch.dtype) ->
                      t["pos_weight"], logits, g, [True, True, True], options)
     torch.library.opcheck(chunked.rows_backward_op, backward_args)
     loss_args = (t["hidden"], t["item_weight"], t["targets"], t["bias"], t["class_weight"], t["pos_weight"],
-                 t["weight"], 37.0, [True, True, True], options)
+                 t["weight"], torch.tensor(37.0, dtype=torch.float64), [True, True, True], options)
     # Not test_aot_dispatch_dynamic: the one-pass backward scales its saved gradients in place
     # (mul_, once: a second backward raises), which that check's functionalized graph rejects
     # ("Node mul was invalid, but is output"), as before the options; torch.compile of the

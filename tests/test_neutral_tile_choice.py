@@ -301,6 +301,25 @@ def test_the_tuning_command_refuses_a_bad_number_before_it_runs(flag, value, cap
                       f"got '{value}'"], errors
 
 
+@pytest.mark.parametrize("flag, value", [("--num-items", str(10**12)), ("--num-positions", str(10**13)),
+                                         ("--num-items", str(2**70))])
+def test_the_tuning_command_refuses_sizes_too_large_to_allocate(flag, value, capsys, monkeypatch):
+    """Issue 46: sizes past the machine's memory were a torch traceback from the first allocation;
+    now a usage error (exit 2) naming the flag, its value and the memory, before anything runs."""
+    from torch_cutbce.native import tune_tiles
+
+    def tune(*_):
+        raise AssertionError(f"the tuning ran: {flag} {value} was not refused")
+
+    monkeypatch.setattr(tune_tiles, "_tune", tune)
+    with pytest.raises(SystemExit) as exited:
+        tune_tiles.main([flag, value])
+    assert exited.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and f"error: argument {flag}: {value} is too large" in errors[0], errors
+    assert "GiB, more than this machine's" in errors[0], errors
+
+
 def test_the_tuning_command_says_a_bad_number_without_a_traceback(tmp_path):
     """The same as the user sees it: exit 2, usage and one error line, no traceback."""
     env = {**os.environ, "TORCH_CUTBCE_CACHE_DIR": str(tmp_path)}

@@ -188,3 +188,37 @@ def test_auto_says_when_the_engine_for_the_device_cannot_run(monkeypatch):
     with pytest.warns(UserWarning, match="backend='auto' passes over 'triton' for cuda tensors"):
         assert engines.resolve_backend("auto", _on("cuda", torch.bfloat16)) == "native"
     assert torch_cutbce.resolved_backend(_on("cuda", torch.bfloat16)) == "native"  # said once
+
+
+_CPU_TRITON_CALL = """
+import os, sys, torch
+if sys.argv[1] == "after_import":
+    import triton  # noqa: F401  (the interpreter is chosen here)
+    os.environ["TRITON_INTERPRET"] = "1"
+import torch_cutbce
+h, w = torch.randn(4, 8), torch.randn(20, 8)
+try:
+    torch_cutbce.cut_bce_with_logits(h, w, torch.tensor([[1, 2]] * 4), backend="triton")
+except ValueError as error:
+    print(error)
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("when, why", [("never", "TRITON_INTERPRET is not 1 in this process"),
+                                       ("after_import", "TRITON_INTERPRET=1 was set after triton was first imported")])
+def test_triton_on_cpu_tensors_without_the_interpreter_says_what_to_do(when, why):
+    """Issue 46: triton's own "0 active drivers" (or an InterpreterError when the variable came after
+    triton's import); now a ValueError naming backend='triton', the device and the two ways out."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _CPU_TRITON_CALL, when], env=env, capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("backend='triton' got tensors on cpu: CPU tensors run only in Triton's interpreter"), (
+        done.stdout, done.stderr[-2000:])
+    assert why in done.stdout and "set TRITON_INTERPRET=1" in done.stdout and "pass CUDA tensors" in done.stdout

@@ -6,7 +6,7 @@
   to bfloat16, the loss in float32), checked against the float64 oracle of those cast inputs and
   against the dense code under the same autocast.
 - `torch.compile(fullgraph=True)`: one graph, no break, for every reduction, with the same loss and
-  gradients as eager; ids >= V still raise (inside the op).
+  gradients as eager, also with dynamic shapes (`_dynamic_compile.py`); ids >= V still raise (inside the op).
 - Padded positions (weight 0, no valid target) are dropped before the tiles: same loss and
   gradients, exactly zero gradients at those positions, fewer rows reach the engine.
 - The first tile compile of a process says so, once.
@@ -19,6 +19,7 @@ import warnings
 import pytest
 import torch
 
+import _dynamic_compile
 from parity import assert_close
 from torch_cutbce import Focal, cut_bce_with_logits, dense_bce_with_logits
 from torch_cutbce.native import fused_tile, ops
@@ -114,6 +115,13 @@ def test_compile_fullgraph_is_one_graph_with_eager_results(reduction, metrics):
         # Not oracle parity: compiled and eager run the same float32 code, so they agree far more
         # closely than the float32 tolerance against the oracle.
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "mark_dynamic"])
+@pytest.mark.parametrize("kind", _dynamic_compile.STEPS)
+def test_compile_with_dynamic_shapes_is_one_graph_with_eager_results(kind, mode):
+    """dynamic=True failed at the loss options' checks (a symbolic float); mark_dynamic worked."""
+    _dynamic_compile.check_one_graph_with_eager_values("native", kind, mode)
 
 
 def test_compiled_loss_still_rejects_ids_beyond_the_catalog():

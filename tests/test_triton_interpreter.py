@@ -5,7 +5,8 @@ the same process): the paths its small shapes do not reach and the entry's promi
   summed over D in blocks), D = 0, N = 0, one item;
 - sums over 1,024 tiles of equal terms (a running float32 sum's worst case) and over 2**22 items
   against their closed form;
-- `torch.compile(step, fullgraph=True)`: one graph (the custom ops), the eager numbers; the ops'
+- `torch.compile(step, fullgraph=True)`, also with dynamic shapes (`dynamic=True`, `mark_dynamic`):
+  one graph (the custom ops), the eager numbers; the ops'
   fakes against their outputs (`torch.library.opcheck`);
 - the same bits on every run, and under `torch.use_deterministic_algorithms(True)`;
 - `torch.autocast`, and `vocab_parallel=` (this rank's slice of the table, ids outside it padding).
@@ -23,6 +24,7 @@ import torch
 
 from cutbce_common.loss import Loss
 from cutbce_common.options import CutBCEOptions
+import _dynamic_compile
 from parity import TOLERANCES
 from torch_cutbce import Focal, cut_bce_with_logits, dense_bce_with_logits
 from torch_cutbce.route import VocabParallelOptions
@@ -132,6 +134,13 @@ def test_torch_compile_fullgraph_is_one_graph_with_the_eager_numbers():
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")  # inductor would compile for a GPU
     for got, want in zip(run(compiled), run(step)):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "mark_dynamic"])
+@pytest.mark.parametrize("kind", _dynamic_compile.STEPS)
+def test_torch_compile_with_dynamic_shapes_is_one_graph_with_the_eager_numbers(kind, mode):
+    """dynamic=True failed at the loss options' checks (a symbolic float); mark_dynamic worked."""
+    _dynamic_compile.check_one_graph_with_eager_values("triton", kind, mode)
 
 
 @pytest.mark.parametrize("options", [CutBCEOptions(compute_metrics=True, loss=Loss(**LOSS)), CutBCEOptions()])

@@ -135,7 +135,10 @@ def loss_terms(u, e, form, numbers):
     else:
         factor = focal_factor(u, e, tail, numbers.gamma, form.power, numbers.fraction if form.fraction else None)
         bend = sigmoid_flip
-    slope = bend.mul_(numbers.gamma).mul_(plus).add_(slope).mul_(factor)
+    # bend -> 0 as B -> inf (|u| = inf): their product's limit is 0, not 0 x inf = NaN (a NaN z keeps
+    # its NaN through the slope's other term).
+    bent = bend.mul_(numbers.gamma).mul_(plus).nan_to_num_(nan=0.0, posinf=float("inf"), neginf=float("-inf"))
+    slope = bent.add_(slope).mul_(factor)
     return plus.mul_(factor), slope
 
 

@@ -14,7 +14,9 @@ module, which has the native loop's calls (`torch_cutbce/native/loop.py`: `rows_
 logits `[N, L]` to the backward (the native loop) or an empty `[N, 0]` (the Triton kernels recompute
 them). Every op takes its tensors plus one `options: str`, a `CutBCEOptions.encode()` string (tile
 width, metrics, focal, offset, id limit): adding an option never changes a schema. What varies per
-call travels beside it: which gradients are wanted (`need: list[bool]`) and the one-pass `divisor`.
+call travels beside it: which gradients are wanted (`need: list[bool]`) and the one-pass `divisor`
+(a 0-d float64 tensor: as a float, torch.compile would make N V a constant of the graph, one graph
+per N under dynamic shapes).
 
     rows(...)  -> (rows [N], counts [4, N] or [0, N])       reduction='none'; vocab-parallel ranks
     loss(...)  -> (loss [], counts [4] or [0])              'sum' / 'mean', gradients in the forward
@@ -68,10 +70,10 @@ def _loss_setup(ctx, inputs, output):
     # every other output, a table-sized one for d_item_weight among them.
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(*output[2:])
+    ctx.save_for_backward(*output[2:], inputs[7])  # divisor: after the six tensors and weight
     hidden, item_weight, _, bias, _, _, weight = inputs[:7]
     ctx.dtypes = [None if x is None else x.dtype for x in (hidden, item_weight, bias, weight)]
-    ctx.divisor, ctx.used = inputs[7], False  # divisor: after the six tensors and weight
+    ctx.used = False
 
 
 def _loss_grad(ctx, g_loss, *_):
@@ -83,14 +85,14 @@ def _loss_grad(ctx, g_loss, *_):
             "several backward passes use reduction='none' and reduce the rows yourself"
         )
     ctx.used = True
-    row_losses, *grads = ctx.saved_tensors
+    row_losses, *grads, divisor = ctx.saved_tensors
     wants = ctx.needs_input_grad
     need = (wants[0], wants[1], wants[3], wants[6])  # hidden, item_weight, bias, weight
     d_hidden, d_items, d_bias = (_cast(d.mul_(g_loss.to(d.dtype)), dtype) if n else None
                                  for d, dtype, n in zip(grads, ctx.dtypes, need))
     d_weight = None
     if need[3]:
-        scale = g_loss.to(row_losses.dtype) / torch.tensor(ctx.divisor, dtype=row_losses.dtype)
+        scale = g_loss.to(row_losses.dtype) / divisor.to(row_losses.dtype)
         d_weight = (row_losses * scale).to(ctx.dtypes[3])
     return d_hidden, d_items, None, d_bias, None, None, d_weight, None, None, None  # divisor, need, options
 
@@ -158,13 +160,13 @@ class ChunkedOps:
     def _define_loss(prefix, passes):
         @torch.library.custom_op(f"torch_cutbce::{prefix}loss", mutates_args=())
         def loss_op(hidden: Tensor, item_weight: Tensor, targets: Tensor, bias: Tensor | None,
-                    class_weight: Tensor | None, pos_weight: Tensor | None, weight: Tensor | None, divisor: float,
+                    class_weight: Tensor | None, pos_weight: Tensor | None, weight: Tensor | None, divisor: Tensor,
                     need: list[bool], options: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
             o = decode(options)
             _check_ids(targets, item_weight, o)
             with torch.autocast(hidden.device.type, enabled=False), torch.no_grad():
                 out = passes.loss_and_grads(hidden, item_weight, targets, bias, class_weight, pos_weight, weight,
-                                            divisor, tuple(need), o)
+                                            float(divisor), tuple(need), o)
             loss, counts, row_losses = out[:3]
             return (loss, counts, row_losses, *(_no_grad_buffer(row_losses) if d is None else d for d in out[3:]))
 
@@ -191,6 +193,7 @@ class ChunkedOps:
         while grad mode is on."""
         grad_on = torch.is_grad_enabled()
         need = [grad_on and x is not None and x.requires_grad for x in (hidden, item_weight, bias)]
-        out = self.loss_op(hidden, item_weight, targets, bias, class_weight, pos_weight, weight, float(divisor),
-                            need, options.encode())
+        divisor = torch.scalar_tensor(divisor, dtype=torch.float64)  # exact: N V < 2**53
+        out = self.loss_op(hidden, item_weight, targets, bias, class_weight, pos_weight, weight, divisor,
+                           need, options.encode())
         return out[0], out[1]

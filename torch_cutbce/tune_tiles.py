@@ -214,8 +214,44 @@ def argument_parser() -> argparse.ArgumentParser:
     return parser
 
 
+TILE_BYTES = 16 << 20  # the default tile (`shapes.default_block_v`): the loop holds about three
+
+
+def run_bytes(args) -> dict[str, int]:
+    """About what one tuning run allocates, by the flag whose size sets it (float32 hidden and table
+    with their gradients, int64 ids twice; then the tiles): estimated before anything is allocated."""
+    n, v, d, slots = args.num_positions, args.num_items, args.hidden_size, args.num_targets
+    return {"--num-positions": n * (2 * 4 * d + 2 * 8 * slots), "--num-items": v * 2 * 4 * d,
+            "tiles": 3 * TILE_BYTES}
+
+
+def memory_bytes() -> int | None:
+    """This machine's physical memory, where the OS says (None elsewhere: nothing is refused)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_fits(parser: argparse.ArgumentParser, args) -> None:
+    """A usage error (exit 2) naming the flag and its value where one run would need more than this
+    machine's memory (a torch traceback from the first allocation before)."""
+    memory, needs = memory_bytes(), run_bytes(args)
+    total = sum(needs.values())
+    if memory is None or total <= memory:
+        return
+    flag = max((name for name in needs if name.startswith("--")), key=needs.get)
+    value = getattr(args, flag[2:].replace("-", "_"))
+    parser.error(f"argument {flag}: {value} is too large: one tuning run at --num-positions {args.num_positions}, "
+                 f"--num-items {args.num_items}, --hidden-size {args.hidden_size}, --num-targets {args.num_targets} "
+                 f"needs about {total / 2**30:.3g} GiB, more than this machine's {memory / 2**30:.3g} GiB; "
+                 f"pick smaller sizes (the defaults: N 4096, V 32768, D 64, L 8)")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = argument_parser().parse_args(argv)
+    parser = argument_parser()
+    args = parser.parse_args(argv)
+    check_fits(parser, args)
     if os.environ.get(tile_choice.ENV, "auto") not in ("", "auto"):
         print(f"note: {tile_choice.ENV}={os.environ[tile_choice.ENV]} is set: it overrides any tuned choice "
               f"in processes that keep it set")

@@ -51,6 +51,12 @@ def item_embedding(model: nn.Module) -> nn.Embedding:
     return found
 
 
+_NO_CALLBACK = (
+    "CutBCE.logits_callback is not set yet, so the loss has no item table to read: a RePlay model sets it "
+    "(`loss.logits_callback = model.get_logits`) when it is built with this loss; call the loss through "
+    "the model, set logits_callback yourself, or pass CutBCE(item_embedding=...)")
+
+
 class CutBCE(nn.Module):
     """RePlay's full-catalog `BCE` (`replay.nn.loss.BCE`), exact, without the `[B, T, V]` logits.
 
@@ -92,8 +98,16 @@ class CutBCE(nn.Module):
     def logits_callback(self):
         """The model's `get_logits` (RePlay's protocol); `CutBCE` reads the table, not the logits."""
         if self._logits_callback is None:
-            raise AttributeError("The callback for getting logits is not defined")
+            raise AttributeError(_NO_CALLBACK)
         return self._logits_callback
+
+    def __getattr__(self, name: str):
+        # nn.Module's __getattr__ runs when the property above raises, and its own message ("'CutBCE'
+        # object has no attribute 'logits_callback'") replaced the cause: said here instead (still an
+        # AttributeError: RePlay's protocol, hasattr).
+        if name == "logits_callback":
+            raise AttributeError(_NO_CALLBACK)
+        return super().__getattr__(name)
 
     @logits_callback.setter
     def logits_callback(self, func) -> None:

@@ -25,6 +25,26 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def check_runs_here(device) -> None:
+    """A ValueError naming backend='triton' and the device where CPU tensors cannot run: only Triton's
+    interpreter runs them, and it is chosen when triton is first imported (triton's own errors were
+    "0 active drivers", or an InterpreterError when the variable was set after that import)."""
+    if device.type != "cpu":
+        return
+    from triton.runtime.interpreter import InterpretedFunction
+    import triton.language as tl
+
+    from torch_cutbce.triton import kernels
+
+    if isinstance(tl.standard.cdiv, InterpretedFunction) and isinstance(kernels.row_kernel, InterpretedFunction):
+        return
+    why = ("TRITON_INTERPRET=1 was set after triton was first imported" if interpreting()
+           else "TRITON_INTERPRET is not 1 in this process")
+    raise ValueError(f"backend='triton' got tensors on {device}: CPU tensors run only in Triton's interpreter, "
+                     f"and it is off ({why}); set TRITON_INTERPRET=1 in the environment before triton is first "
+                     f"imported (before importing torch), or pass CUDA tensors")
+
+
 @functools.cache
 def make_compatible() -> None:
     from triton.runtime import interpreter

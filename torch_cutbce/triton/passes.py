@@ -14,13 +14,14 @@ import torch
 
 from torch_cutbce import positives
 from torch_cutbce.reduction import weighted_count_sums
-from torch_cutbce.triton import launch
+from torch_cutbce.triton import interpreter, launch
 
 
 def _operands(hidden, item_weight, ids, bias, class_weight, pos_weight):
     """The kernels' operands `(h, w, ids, bias, cw, pw)`: contiguous, the table in hidden's dtype, ids
     int32, the per-item vectors float32. (The entry has already refused dtypes the kernels do not
     take: `Engine.dtypes`.)"""
+    interpreter.check_runs_here(hidden.device)
     f32 = lambda x: None if x is None else x.to(torch.float32).contiguous()  # noqa: E731
     return (hidden.contiguous(), item_weight.to(hidden.dtype).contiguous(), ids.to(torch.int32).contiguous(),
             f32(bias), f32(class_weight), f32(pos_weight))

@@ -106,7 +106,8 @@ def labelled_terms(z, y, numbers_ptr, FOCAL: tl.constexpr, POWER: tl.constexpr, 
             if POWER > 0:
                 factor = factor * integer_power(tl.where(u < 0, e, 1.0), POWER)
             bend = sigmoid_flip
-        slope = factor * (gamma * bend * plus + slope)
+        # bend is 0 where plus is inf (|u| = inf): the limit of their product is 0, not NaN
+        slope = factor * (gamma * bend * tl.minimum(plus, 3.4028234663852886e38) + slope)
         plus = factor * plus
     if BALANCED:
         scale = tl.where(y, tl.load(numbers_ptr + 3), tl.load(numbers_ptr + 4))
