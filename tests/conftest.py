@@ -11,7 +11,7 @@ imports torch_xla (where installed); when the session holds tests marked `xla`, 
 `xla_runtime_before_any_backward` starts the XLA device before the first test. torch's autograd
 engine sizes its per-device queues at the first backward, so an XLA backward after a CPU backward
 that ran before the XLA device existed fails with an internal assert (a torch / torch_xla
-limitation users meet too: README, 'Limitations'); importing torch_xla alone is not enough. Without
+limitation users meet too: README, 'What is not verified'); importing torch_xla alone is not enough. Without
 this, which tests pass would depend on their order and on which files run.
 
 The core install (`pip install torch-cutbce`: torch and numpy) runs every torch-only test; tests
