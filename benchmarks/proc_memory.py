@@ -8,6 +8,7 @@ another; where /proc cannot be read, the peak falls back to `ru_maxrss` (never r
 from __future__ import annotations
 
 import resource
+import time
 
 MIB = 1 << 20
 
@@ -60,3 +61,24 @@ def limit_address_space(budget_bytes: int) -> int:
         limit = min(limit, hard)
     resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
     return limit
+
+
+def available_bytes() -> int:
+    """The memory the kernel could give a new allocation (/proc/meminfo's MemAvailable; 0 elsewhere)."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def timed_call(call) -> tuple[float, int]:
+    """Seconds and resident-set rise (bytes) of `call()`: one measurement of the benchmarks' loss steps."""
+    reset_peak_rss()
+    before = rss_bytes()
+    start = time.perf_counter()
+    call()
+    seconds = time.perf_counter() - start
+    return seconds, peak_rss_bytes() - before

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -60,22 +59,10 @@ def cutbce(batch):
 
 def one_call(loss_fn, batch) -> tuple[float, int]:
     """Seconds and resident-set rise (bytes) of one forward + backward; gradients dropped after."""
-    proc_memory.reset_peak_rss()
-    before = proc_memory.rss_bytes()
-    start = time.perf_counter()
-    loss_fn(batch).backward()
-    seconds = time.perf_counter() - start
-    peak = proc_memory.peak_rss_bytes() - before
+    seconds, peak = proc_memory.timed_call(lambda: loss_fn(batch).backward())
     for name in ("hidden", "table", "bias"):
         batch[name].grad = None
     return seconds, peak
-
-
-def available_bytes() -> int:
-    for line in open("/proc/meminfo"):
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def main(argv=None) -> None:
@@ -102,7 +89,7 @@ def main(argv=None) -> None:
         m = int((batch["y"] > 0).sum())
         runs = {"softmax": rectools_softmax, "cutbce": cutbce}
         predicted = (per_element or args.softmax_bytes) * B * T * (num_items + 1)
-        if predicted > 0.8 * available_bytes():
+        if predicted > 0.8 * proc_memory.available_bytes():
             del runs["softmax"]
         if args.skip_cutbce_above is not None and num_items > args.skip_cutbce_above:
             del runs["cutbce"]

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
@@ -60,22 +59,10 @@ def batch_for(num_items: int, seed: int = 0) -> dict:
 def one_call(loss_fn, model, batch) -> tuple[float, int]:
     """Seconds and resident-set rise (bytes) of one forward + backward; gradients dropped after."""
     args = dict(batch, target_padding_mask=batch["target_padding_mask"].clone())  # RePlay squeezes it in place
-    proc_memory.reset_peak_rss()
-    before = proc_memory.rss_bytes()
-    start = time.perf_counter()
-    loss_fn(**args).backward()
-    seconds = time.perf_counter() - start
-    peak = proc_memory.peak_rss_bytes() - before
+    seconds, peak = proc_memory.timed_call(lambda: loss_fn(**args).backward())
     batch["model_embeddings"].grad = None
     model.zero_grad(set_to_none=True)
     return seconds, peak
-
-
-def available_bytes() -> int:
-    for line in open("/proc/meminfo"):
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def main(argv=None) -> None:
@@ -99,7 +86,7 @@ def main(argv=None) -> None:
         # Before any V is measured here, RePlay's 16.1 bytes per position-item element measured on
         # this host (a first V too large to run would otherwise be killed for memory, silently).
         predicted = (bytes_per_element or 16.1) * m * num_items
-        if predicted > 0.8 * available_bytes():
+        if predicted > 0.8 * proc_memory.available_bytes():
             del runs["replay"]
         times = {name: [] for name in runs}
         peaks = dict.fromkeys(runs, 0)
