@@ -306,7 +306,7 @@ def test_the_tuning_command_refuses_a_bad_number_before_it_runs(flag, value, cap
 def test_the_tuning_command_refuses_sizes_too_large_to_allocate(flag, value, capsys, monkeypatch):
     """Issue 46: sizes past the machine's memory were a torch traceback from the first allocation;
     now a usage error (exit 2) naming the flag, its value and the memory, before anything runs."""
-    from torch_cutbce.native import tune_tiles
+    from torch_cutbce import tune_tiles
 
     def tune(*_):
         raise AssertionError(f"the tuning ran: {flag} {value} was not refused")
