@@ -56,9 +56,14 @@ def check_one_graph_with_eager_values(backend: str, kind: str, mode: str, compil
     counter = CompileCounterWithBackend(compiler)
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True, backend=counter, dynamic=True if mode == "dynamic" else None)
+    frames = []
     for n in SIZES:
         hidden, items, targets = _inputs(n)
         got_all = _run(compiled, hidden, items, targets, mark=mode == "mark_dynamic")
         for got, want in zip(got_all, _run(step, hidden, items, targets)):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=lambda m: f"N={n}: {m}")
-    assert counter.frame_count == 1, f"{counter.frame_count} graphs over N in {SIZES}, want 1"
+        frames.append(counter.frame_count)
+    # No recompile for a new N: the frames compiled at the first N are all there ever are (one on
+    # torch 2.9; torch 2.14's dynamo compiles a second frame at the first call under dynamic=True,
+    # once, as ci/core_only.sh found). A graph per N, or a failure to compile, fails here.
+    assert frames == [frames[0]] * len(SIZES) and frames[0] <= 2, f"frames compiled after each N in {SIZES}: {frames}"
