@@ -207,13 +207,15 @@ OPCHECK_OPTIONS = {
 def opcheck_chunked_ops(chunked, t: dict, options: str, g_dtype: torch.dtype) -> None:
     """`torch.library.opcheck` of an engine's three custom ops (`chunked_ops.ChunkedOps`) on the tensors
     `t` (`_native_inputs`' keys): schemas, fakes against the real outputs, autograd registration."""
-    rows_args = (t["hidden"], t["item_weight"], t["targets"], t["bias"], t["class_weight"], t["pos_weight"], options)
-    torch.library.opcheck(chunked.rows_op, rows_args)
-    _, _, logits, ids = chunked.rows_op(*(x.detach() if isinstance(x, torch.Tensor) else x for x in rows_args))
-    g = torch.rand(t["hidden"].shape[0], dtype=g_dtype)
-    backward_args = (t["hidden"].detach(), t["item_weight"].detach(), ids, t["bias"].detach(), t["class_weight"],
-                     t["pos_weight"], logits, g, [True, True, True], options)
-    torch.library.opcheck(chunked.rows_backward_op, backward_args)
+    for hidden_grad in (True, False):  # what the forward saves for the backward depends on it
+        rows_args = (t["hidden"], t["item_weight"], t["targets"], t["bias"], t["class_weight"], t["pos_weight"],
+                     hidden_grad, options)
+        torch.library.opcheck(chunked.rows_op, rows_args)
+        _, _, saved, ids = chunked.rows_op(*(x.detach() if isinstance(x, torch.Tensor) else x for x in rows_args))
+        g = torch.rand(t["hidden"].shape[0], dtype=g_dtype)
+        backward_args = (t["hidden"].detach(), t["item_weight"].detach(), ids, t["bias"].detach(), t["class_weight"],
+                         t["pos_weight"], saved, g, [True, True, True], options)
+        torch.library.opcheck(chunked.rows_backward_op, backward_args)
     loss_args = (t["hidden"], t["item_weight"], t["targets"], t["bias"], t["class_weight"], t["pos_weight"],
                  t["weight"], torch.tensor(37.0, dtype=torch.float64), [True, True, True], options)
     # Not test_aot_dispatch_dynamic: the one-pass backward scales its saved gradients in place

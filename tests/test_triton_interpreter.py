@@ -154,6 +154,38 @@ def test_opcheck_triton_ops(options):
     opcheck_chunked_ops(ops.OPS, t, options.encode(), torch.float32)
 
 
+@pytest.mark.parametrize("wants", ["everything", "hidden only", "table only", "no gradient"])
+def test_reduction_none_makes_four_products_and_the_oracles_gradients(monkeypatch, wants):
+    """'none': the forward's row pass makes `d_hidden` for a row gradient of 1 beside the rows (logits,
+    d_hidden) when hidden requires grad; the backward scales it and runs the item pass only for the
+    table (logits, d_item_weight): 4 logit-sized products, the row pass never twice."""
+    from torch_cutbce.triton import launch
+
+    calls = []
+    for name in ("rows_pass", "items_pass"):
+        real = getattr(launch, name)
+        monkeypatch.setattr(launch, name, lambda *a, _real=real, _name=name, **k: calls.append(
+            (_name, a[6] is not None)) or _real(*a, **k))
+    hidden, items, targets, bias = _inputs(37, 150, 24, seed=11)
+    upstream = torch.rand(37) * 3 - 1
+    grad_hidden, grad_table = wants in ("everything", "hidden only"), wants in ("everything", "table only")
+    leaves = [hidden.clone().requires_grad_(grad_hidden), items.clone().requires_grad_(grad_table),
+              bias.clone().requires_grad_(grad_table)]
+    rows = cut_bce_with_logits(*leaves[:2], targets, leaves[2], reduction="none", backend="triton", **LOSS)
+    forward = list(calls)
+    assert forward == [("rows_pass", grad_hidden)], forward  # d_hidden only when hidden requires grad
+    if wants == "no gradient":
+        return
+    (rows * upstream).sum().backward()
+    assert calls[1:] == ([("items_pass", True)] if grad_table else []), calls
+    want = _rows_and_grads("dense", hidden, items, targets, bias, upstream, dtype=torch.float64, **LOSS)
+    got = [rows.detach()] + [x.grad for x in leaves]
+    for name, g, w, required in zip(("rows", "d_hidden", "d_item_weight", "d_bias"), got, want,
+                                    (True, grad_hidden, grad_table, grad_table)):
+        if required:
+            _assert_relative(g, w, TOLERANCES["float32"], f"'none' {wants}: {name}")
+
+
 def test_the_same_bits_every_run_and_under_deterministic_algorithms():
     inputs = _inputs(33, 150, 24, seed=5)
     upstream = torch.rand(33)

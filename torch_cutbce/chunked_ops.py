@@ -8,11 +8,13 @@ a CUDA one gets a device-side assert, so no check outside costs a sync. Autocast
 inside: the entry has already applied autocast's rule to the inputs, and the tiles must stay in the
 accumulation dtype.
 
-`ChunkedOps(prefix, passes, keeps_logits)` registers one engine's three ops over its `passes`
-module, which has the native loop's calls (`torch_cutbce/native/loop.py`: `rows_forward`,
-`rows_backward`, `loss_and_grads`); `keeps_logits` says whether its forward hands the positives'
-logits `[N, L]` to the backward (the native loop) or an empty `[N, 0]` (the Triton kernels recompute
-them). Every op takes its tensors plus one `options: str`, a `CutBCEOptions.encode()` string (tile
+`ChunkedOps(prefix, passes)` registers one engine's three ops over its `passes` module, which has
+the native loop's calls (`torch_cutbce/native/loop.py`: `rows_forward`, `rows_backward`,
+`loss_and_grads`) and `saved_shape`: the shape of what its rows forward hands its backward (the
+positives' logits `[N, L]` in the native loop; in the Triton engine, `d_hidden` for a row gradient of
+1, `[N, D]`, when hidden's gradient is wanted, so that the backward only scales it, else `[N, 0]`).
+The rows op is told whether hidden's gradient is wanted (`hidden_grad`: grad mode on and
+`hidden.requires_grad`, autograd's own `needs_input_grad[0]`). Every op takes its tensors plus one `options: str`, a `CutBCEOptions.encode()` string (tile
 width, metrics, focal, offset, id limit): adding an option never changes a schema. What varies per
 call travels beside it: which gradients are wanted (`need: list[bool]`) and the one-pass `divisor`
 (a 0-d float64 tensor: as a float, torch.compile would make N V a constant of the graph, one graph
@@ -58,9 +60,9 @@ def _check_ids(targets: Tensor, item_weight: Tensor, options: CutBCEOptions) -> 
 
 
 def _rows_setup(ctx, inputs, output):
-    ctx.mark_non_differentiable(*output[1:])  # counts, the positives' logits and ids
+    ctx.mark_non_differentiable(*output[1:])  # counts, what the backward needs, ids
     ctx.set_materialize_grads(False)
-    hidden, item_weight, _, bias, class_weight, pos_weight, options = inputs
+    hidden, item_weight, _, bias, class_weight, pos_weight, _, options = inputs
     ctx.save_for_backward(hidden, item_weight, output[3], bias, class_weight, pos_weight, output[2])
     ctx.options = options
 
@@ -101,41 +103,41 @@ class ChunkedOps:
     """One engine's custom ops `torch_cutbce::<prefix>rows`, `<prefix>rows_backward`, `<prefix>loss`
     over its `passes` (module docstring), and the two calls the registry makes (`rows`, `loss`)."""
 
-    def __init__(self, prefix: str, passes, keeps_logits: bool):
-        self.rows_op, self.rows_backward_op = self._define_rows(prefix, passes, keeps_logits)
+    def __init__(self, prefix: str, passes):
+        self.rows_op, self.rows_backward_op = self._define_rows(prefix, passes)
         self.loss_op = self._define_loss(prefix, passes)
 
     @staticmethod
-    def _define_rows(prefix, passes, keeps_logits):
+    def _define_rows(prefix, passes):
         @torch.library.custom_op(f"torch_cutbce::{prefix}rows", mutates_args=())
         def rows_op(hidden: Tensor, item_weight: Tensor, targets: Tensor, bias: Tensor | None,
-                    class_weight: Tensor | None, pos_weight: Tensor | None,
+                    class_weight: Tensor | None, pos_weight: Tensor | None, hidden_grad: bool,
                     options: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
             o = decode(options)
             _check_ids(targets, item_weight, o)
             with torch.autocast(hidden.device.type, enabled=False), torch.no_grad():
-                return passes.rows_forward(hidden, item_weight, targets, bias, class_weight, pos_weight, o)
+                return passes.rows_forward(hidden, item_weight, targets, bias, class_weight, pos_weight, hidden_grad, o)
 
         @rows_op.register_fake
-        def _(hidden, item_weight, targets, bias, class_weight, pos_weight, options):
+        def _(hidden, item_weight, targets, bias, class_weight, pos_weight, hidden_grad, options):
             acc = positives.accumulation_dtype(hidden.dtype)
             n = hidden.shape[0]
             return (hidden.new_empty((n,), dtype=acc),
                     hidden.new_empty((4 if decode(options).compute_metrics else 0, n), dtype=torch.float32),
-                    hidden.new_empty(targets.shape if keeps_logits else (n, 0), dtype=acc),
+                    hidden.new_empty(passes.saved_shape(hidden.shape, targets.shape, hidden_grad), dtype=acc),
                     targets.new_empty(targets.shape, dtype=torch.int64))
 
         @torch.library.custom_op(f"torch_cutbce::{prefix}rows_backward", mutates_args=())
         def rows_backward_op(hidden: Tensor, item_weight: Tensor, ids: Tensor, bias: Tensor | None,
-                             class_weight: Tensor | None, pos_weight: Tensor | None, logits: Tensor, g: Tensor,
+                             class_weight: Tensor | None, pos_weight: Tensor | None, saved: Tensor, g: Tensor,
                              need: list[bool], options: str) -> tuple[Tensor, Tensor, Tensor]:
             with torch.autocast(hidden.device.type, enabled=False), torch.no_grad():
-                grads = passes.rows_backward(hidden, item_weight, ids, bias, class_weight, pos_weight, logits, g,
+                grads = passes.rows_backward(hidden, item_weight, ids, bias, class_weight, pos_weight, saved, g,
                                              tuple(need), decode(options))
             return tuple(_no_grad_buffer(g) if d is None else d for d in grads)
 
         @rows_backward_op.register_fake
-        def _(hidden, item_weight, ids, bias, class_weight, pos_weight, logits, g, need, options):
+        def _(hidden, item_weight, ids, bias, class_weight, pos_weight, saved, g, need, options):
             acc = positives.accumulation_dtype(hidden.dtype)
             shapes = (hidden.shape, item_weight.shape, item_weight.shape[:1])
             return tuple(g.new_empty(shape if wanted else (0,), dtype=acc) for shape, wanted in zip(shapes, need))
@@ -144,14 +146,14 @@ class ChunkedOps:
             _refuse_double_backward()
             if g_rows is None:  # the rows' gradient is undefined (not materialized): every input's is too
                 return (None,) * 7
-            hidden, item_weight, ids, bias, class_weight, pos_weight, logits = ctx.saved_tensors
+            hidden, item_weight, ids, bias, class_weight, pos_weight, saved = ctx.saved_tensors
             wants = ctx.needs_input_grad
             need = [wants[0], wants[1], wants[3] and bias is not None]
-            grads = rows_backward_op(hidden, item_weight, ids, bias, class_weight, pos_weight, logits, g_rows, need,
+            grads = rows_backward_op(hidden, item_weight, ids, bias, class_weight, pos_weight, saved, g_rows, need,
                                      ctx.options)
             d_hidden, d_items, d_bias = (_cast(d, x.dtype) if n else None
                                          for d, x, n in zip(grads, (hidden, item_weight, bias), need))
-            return d_hidden, d_items, None, d_bias, None, None, None  # targets, class/pos weight, options: none
+            return d_hidden, d_items, None, d_bias, None, None, None, None  # targets, class/pos weight, flag, options
 
         rows_op.register_autograd(rows_grad, setup_context=_rows_setup)
         return rows_op, rows_backward_op
@@ -183,7 +185,8 @@ class ChunkedOps:
 
     def rows(self, hidden, item_weight, targets, bias, class_weight, pos_weight, options: CutBCEOptions):
         """`(rows [N], counts [4, N] or [0, N])` of `passes.rows_forward` for `[N, D]` / `[N, L]` inputs."""
-        out = self.rows_op(hidden, item_weight, targets, bias, class_weight, pos_weight, options.encode())
+        hidden_grad = torch.is_grad_enabled() and hidden.requires_grad
+        out = self.rows_op(hidden, item_weight, targets, bias, class_weight, pos_weight, hidden_grad, options.encode())
         return out[0], out[1]
 
     def loss(self, hidden, item_weight, targets, bias, class_weight, pos_weight, weight, divisor: float,

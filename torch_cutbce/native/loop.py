@@ -126,12 +126,18 @@ def _grad_buffers(h, item_weight, bias, need_h, need_items, need_bias):
     )
 
 
-def rows_forward(hidden, item_weight, targets, bias, class_weight, pos_weight, options):
+def saved_shape(hidden_shape, targets_shape, hidden_grad: bool) -> tuple:
+    """The shape of what `rows_forward` hands `rows_backward`: the positives' logits `[N, L]`."""
+    return tuple(targets_shape)
+
+
+def rows_forward(hidden, item_weight, targets, bias, class_weight, pos_weight, hidden_grad, options):
     """Per-position rows (weight 1) over the table's items `[offset, offset + V)`.
 
     `targets [N, L]` are global ids; ids outside the table's range are ignored like padding
     (vocab-parallel ranks pass their slice's start as `options.offset`). Reads `options.block_v`,
-    `compute_metrics`, `offset` and `loss`.
+    `compute_metrics`, `offset` and `loss`; `hidden_grad` changes nothing here (the backward
+    recomputes every tile, the positives' logits aside).
 
     Returns:
       `rows` `[N]`, `counts` `[4, N]` TP/FP/FN/TN (`[0, N]` without `compute_metrics`), and what the

@@ -11,6 +11,6 @@ from __future__ import annotations
 from torch_cutbce.chunked_ops import ChunkedOps
 from torch_cutbce.native import loop
 
-OPS = ChunkedOps("", loop, keeps_logits=True)
+OPS = ChunkedOps("", loop)
 rows = OPS.rows
 loss = OPS.loss

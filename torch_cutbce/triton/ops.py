@@ -12,6 +12,6 @@ from __future__ import annotations
 from torch_cutbce.chunked_ops import ChunkedOps
 from torch_cutbce.triton import passes
 
-OPS = ChunkedOps("triton_", passes, keeps_logits=False)
+OPS = ChunkedOps("triton_", passes)
 rows = OPS.rows
 loss = OPS.loss

@@ -46,27 +46,43 @@ def _item_grads(operands, g, need, loss):
     return launch.items_pass(*operands, g, loss, with_items=need_items, with_bias=need_bias and operands[3] is not None)
 
 
-def rows_forward(hidden, item_weight, targets, bias, class_weight, pos_weight, options):
+def saved_shape(hidden_shape, targets_shape, hidden_grad: bool) -> tuple:
+    """The shape of what `rows_forward` hands `rows_backward`: `d_hidden` for a row gradient of 1,
+    `[N, D]`, when hidden's gradient is wanted, else `[N, 0]`."""
+    return (hidden_shape[0], hidden_shape[1] if hidden_grad else 0)
+
+
+def rows_forward(hidden, item_weight, targets, bias, class_weight, pos_weight, hidden_grad, options):
     """Per-position rows, counts `[4, N]` (or `[0, N]`) and what the backward needs: `(rows, counts,
-    positives' logits (an empty `[N, 0]`: the backward recomputes them), ids [N, L])`."""
+    saved, ids [N, L])`. `saved` is `d_hidden` for the row gradient 1 when `hidden_grad` (the row pass
+    makes it beside the rows, one product more than the rows alone; `d_hidden` is linear in the row
+    gradient, so the backward scales it per row instead of recomputing the logits), else `[N, 0]`."""
     ids = _positive_ids(targets, item_weight, options)
     operands = _operands(hidden, item_weight, ids, bias, class_weight, pos_weight)
     n, compute_metrics = hidden.shape[0], options.compute_metrics
-    rows, counts, _ = launch.rows_pass(*operands, None, options.loss, with_rows=True, with_counts=compute_metrics)
+    ones = torch.ones(n, dtype=torch.float32, device=hidden.device) if hidden_grad else None
+    rows, counts, d_hidden = launch.rows_pass(*operands, ones, options.loss, with_rows=True,
+                                              with_counts=compute_metrics)
     if compute_metrics:
         counts = _counts(counts, ids, item_weight.shape[0])
     else:
         counts = torch.zeros((0, n), dtype=torch.float32, device=hidden.device)
-    return rows, counts, rows.new_zeros((n, 0)), ids
+    saved = d_hidden if hidden_grad else rows.new_zeros(saved_shape(hidden.shape, targets.shape, False))
+    return rows, counts, saved, ids
 
 
-def rows_backward(hidden, item_weight, ids, bias, class_weight, pos_weight, logits, g, need, options):
-    """`(d_hidden, d_items, d_bias)` of `sum_n g[n] rows[n]` in float32, None where `need` says no."""
+def rows_backward(hidden, item_weight, ids, bias, class_weight, pos_weight, saved, g, need, options):
+    """`(d_hidden, d_items, d_bias)` of `sum_n g[n] rows[n]` in float32, None where `need` says no:
+    `d_hidden` is the forward's (`saved`, for the row gradient 1) scaled by `g` per row, the table's
+    gradients come from the item pass."""
     operands = _operands(hidden, item_weight, ids, bias, class_weight, pos_weight)
     g = g.to(torch.float32).contiguous()
     d_hidden = None
     if need[0]:
-        d_hidden = launch.rows_pass(*operands, g, options.loss, with_rows=False, with_counts=False)[2]
+        if saved.shape != hidden.shape:  # the forward did not make it (hidden_grad was False)
+            saved = launch.rows_pass(*operands, torch.ones_like(g), options.loss, with_rows=False,
+                                     with_counts=False)[2]
+        d_hidden = saved * g[:, None]
     return (d_hidden, *_item_grads(operands, g, need, options.loss))
 
 
