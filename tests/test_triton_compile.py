@@ -24,7 +24,7 @@ from conformance_engines import LOSSES  # noqa: E402
 from cutbce_common.loss import Loss  # noqa: E402
 from torch_cutbce.triton import aot, launch  # noqa: E402
 
-pytestmark = pytest.mark.slow  # 437 checks; 2 cores: 1.9 min with a warm Triton cache, 8.5 from an empty one (load 4-5)
+pytestmark = pytest.mark.slow  # 437 checks; 2 cores: 1 min with a warm Triton cache, 8.5 from an empty one (load 4-5)
 
 FORMS = {loss.form(): name for name, loss in reversed(LOSSES.items())}  # one name per form (all six differ)
 CASES = {
@@ -68,6 +68,23 @@ def test_a_tile_too_small_for_a_warpgroup_is_off_the_fast_path_on_sm_90():
     message = aot.off_the_fast_path(small, found_small)
     assert "pass=rows dtype=bf16" in message and "arch=sm_90a" in message and "not wgmma" in message, message
     assert aot.off_the_fast_path(wide, found_wide) is None
+
+
+@pytest.mark.parametrize("capability", aot.CAPABILITIES)
+def test_compiles_are_specialized_as_a_launch_is(capability):
+    """D a multiple of 16 and aligned pointers (what Triton's JIT marks at a launch of such inputs): the
+    tiles are copied 16 bytes at a time into shared memory, asynchronously (`cp.async`, pipelined); D
+    120 has no hint on D, and its tiles are loaded element by element, as its launches would be."""
+    hinted, plain = (aot.Case("rows", torch.bfloat16, Loss(), hidden_size, capability) for hidden_size in (128, 120))
+    attributes = aot.launch_attributes(hinted.kernel, aot.signature(hinted.kernel, torch.bfloat16, hinted.constexprs()),
+                                       128)
+    names = [hinted.kernel.arg_names[index] for (index,) in attributes]
+    assert "D" in names and "h_ptr" in names and "N" not in names and "V" not in names
+    assert "D" not in [hinted.kernel.arg_names[index] for (index,) in aot.launch_attributes(
+        plain.kernel, aot.signature(plain.kernel, torch.bfloat16, plain.constexprs()), 120)]
+    fast, slow = (aot.compile_case(case).asm["ptx"] for case in (hinted, plain))
+    assert "cp.async.cg" in fast and "ld.global.b16" not in fast
+    assert "cp.async" not in slow and "ld.global.b16" in slow
 
 
 def test_dump_ptx_names_every_file(tmp_path):

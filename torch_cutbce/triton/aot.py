@@ -1,6 +1,7 @@
 """Ahead-of-time compiles of the Triton kernels for CUDA targets, without a GPU or a driver.
 
-What a launch would run is built here from the launcher's own flags (`launch.kernel_constexprs`):
+What a launch would run is built here from the launcher's own flags (`launch.kernel_constexprs`) and
+the argument attributes Triton's JIT gives it (`launch_attributes`):
 `compile_case` turns a `Case` (pass, dtype, `Loss`, hidden size, target, `Blocks`, optional inputs)
 into Triton's `ASTSource` and compiles it for `GPUTarget("cuda", capability, 32)`; `usage` runs the
 ptxas bundled with Triton (`-v`) on its PTX for the registers and spill bytes, and reads the shared
@@ -51,8 +52,8 @@ CAPABILITIES = (80, 90)
 GPU_NAMES = {80: "sm_80", 90: "sm_90a"}
 SHARED_LIMIT_BYTES = {80: 166_912, 90: 232_448}  # module docstring
 # (pass, dtype) -> spill bytes a shipped configuration may store. float32's item pass: ptxas holds
-# it to 128 registers at 8 warps and 168 at 4 (its own choice: no register limit is asked for) and
-# stores up to 16 bytes a thread at D 64 on sm_80; float32 is not 'auto''s Triton dtype.
+# it to 110-128 registers at 8 warps (its own choice: no register limit is asked for) and stores up
+# to 16 bytes a thread (sm_80, D 64); float32 is not 'auto''s Triton dtype.
 ALLOWED_SPILL_BYTES: dict[tuple[str, torch.dtype], int] = {("items", torch.float32): 16}
 TYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # The hidden sizes a shipped configuration is checked at: one block of 64 and of 128 columns (the
@@ -159,10 +160,28 @@ def signature(kernel, dtype: torch.dtype, constexprs: dict) -> dict[str, str]:
     return types
 
 
+def launch_attributes(kernel, types: dict[str, str], hidden_size: int) -> dict:
+    """The argument attributes Triton's JIT gives a launch (`JITFunction.run` specializes each pointer
+    whose address and each integer that is a multiple of 16: `tt.divisibility` 16), for contiguous
+    operands of D a multiple of 16: every pointer is 16-byte aligned (fresh allocations, and views
+    that start on a whole row of such a D), D divisible when it is, N, V and L not assumed. Without them the tiles'
+    loads are per element (a 64-bit address each), not vectors of 16 bytes, and not pipelined: the
+    compile would be another program than the one a launch runs. Other hidden sizes compile without D's
+    hint, as their launches do."""
+    hinted = [name for name, kind in types.items() if kind.startswith("*")]
+    if hidden_size % 16 == 0:
+        hinted.append("D")
+    names = list(kernel.arg_names)
+    return {(names.index(name),): [["tt.divisibility", 16]] for name in hinted}
+
+
 def compile_case(case: Case):
-    """Triton's `CompiledKernel` of `case` (its PTX in `.asm["ptx"]`); no device is touched."""
+    """Triton's `CompiledKernel` of `case` (its PTX in `.asm["ptx"]`), specialized as its launch is
+    (`launch_attributes`); no device is touched."""
     constexprs = case.constexprs()
-    source = ASTSource(fn=case.kernel, signature=signature(case.kernel, case.dtype, constexprs), constexprs=constexprs)
+    types = signature(case.kernel, case.dtype, constexprs)
+    source = ASTSource(fn=case.kernel, signature=types, constexprs=constexprs,
+                       attrs=launch_attributes(case.kernel, types, case.hidden_size))
     blocks = case.launch_blocks
     return triton.compile(source, target=GPUTarget("cuda", case.capability, 32),
                           options={"num_warps": blocks.num_warps, "num_stages": blocks.num_stages})

@@ -72,23 +72,27 @@ class Blocks:
 
 # The shipped configurations, one per pass, input dtype and target (no hidden size: the kernels stream
 # both operands over D in `block_k` steps, so one tile serves D 64, 128 and 256). Each compiles without
-# spilling (float32's item pass: `aot.ALLOWED_SPILL_BYTES`) for sm_80 and sm_90, for every Loss form
-# and every optional input, and puts 16-bit products
+# spilling (float32's item pass: `aot.ALLOWED_SPILL_BYTES`) for its target, for every Loss form and
+# every optional input, specialized as a launch is (`aot.launch_attributes`), and puts 16-bit products
 # on the target's fast instruction (`aot.py` prints the numbers; tests/test_triton_compile.py checks
 # them). On sm_90 a 16-bit product's M side (the rows of the row pass, the items of the item pass,
 # whose tiles are item-major) is 64, a warpgroup's MMA; narrower, Triton emits Ampere's mma.sync.
-# The tiles are small beside CCE's 128 x 128: the loss's math takes about 14 registers a logit (every
-# Loss form compiled), and the tile is what the registers allow around it and the gradient's
-# accumulator. (block_n, block_v, max_block_d, num_warps, num_stages, block_k)
+# The tiles are small beside CCE's 128 x 128: the loss's exact math lives in registers beside the
+# tile and the gradient block (docs/triton.md, 'Why not CCE's 128 x 128'). ptxas's allocation is not
+# monotone in the tile, the form or D, so each entry is the first spill-free one of a search over
+# every form and D, not a rule. (block_n, block_v, max_block_d, num_warps, num_stages, block_k)
 ROW_PASSES = ("rows", "grad", "rows_grad")  # rows and counts; d_hidden alone; all three in one pass
 PASSES = (*ROW_PASSES, "items")
 _B = Blocks
-_HALF_SM_90 = {"rows": _B(64, 32), "grad": _B(64, 16, block_k=32), "rows_grad": _B(64, 16, block_k=16),
+_HALF_SM_90 = {"rows": _B(64, 32), "grad": _B(64, 32, block_k=32), "rows_grad": _B(64, 16, block_k=16),
                "items": _B(16, 64)}
-_HALF_SM_80 = {"rows": _B(64, 32), "grad": _B(32, 64), "rows_grad": _B(32, 32), "items": _B(32, 32)}
-_FLOAT = {"rows": _B(32, 16, num_warps=4), "grad": _B(32, 16), "rows_grad": _B(32, 16),
-          "items": _B(32, 16, num_stages=1)}
-SHIPPED = {(torch.float32, 80): _FLOAT, (torch.float32, 90): _FLOAT,
+_HALF_SM_80 = {"rows": _B(32, 32), "grad": _B(64, 32, block_k=32), "rows_grad": _B(64, 32, num_stages=1, block_k=32),
+               "items": _B(32, 32)}
+_FLOAT_SM_90 = {"rows": _B(32, 16, num_stages=1), "grad": _B(32, 32, num_warps=4, num_stages=1),
+                "rows_grad": _B(32, 16, num_warps=4), "items": _B(32, 16, num_stages=1)}
+_FLOAT_SM_80 = {"rows": _B(32, 16, num_stages=1), "grad": _B(32, 32, num_warps=4, num_stages=1),
+                "rows_grad": _B(16, 16, num_warps=4, num_stages=1), "items": _B(32, 16, num_stages=1, block_k=32)}
+SHIPPED = {(torch.float32, 80): _FLOAT_SM_80, (torch.float32, 90): _FLOAT_SM_90,
            **{(dtype, capability): tiles for dtype in (torch.bfloat16, torch.float16)
               for capability, tiles in ((80, _HALF_SM_80), (90, _HALF_SM_90))}}
 
