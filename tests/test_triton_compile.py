@@ -167,7 +167,19 @@ def test_the_cost_model_says_it_is_one_and_counts_four_products():
     assert report.startswith("A MODEL, not a measurement")
     steps = [line.split() for line in report.splitlines() if " step " in line]
     assert len(steps) == 4 and all(fields[3] == "4" for fields in steps), report
-    rows = [line.split()[2] for line in report.splitlines()[3:]]
+    rows = [line.split()[2] for line in report.splitlines()[4:]]
     assert rows.count("native") == rows.count("floor") == 4
     wide = cost_model.pass_cost("rows_grad", torch.bfloat16, 2**20, "wgmma")
     assert wide.flops == 2 * 2.0 * cost_model.N * 2**20 * cost_model.D
+
+
+def test_the_cost_models_instruction_counts_are_the_compiled_ones():
+    """`cost_model.INSTRUCTIONS_PER_LOGIT` within 10% of what the shipped kernels compile to (sm_90 SASS):
+    a change to the tile math that costs instructions changes the model's estimate, or fails here."""
+    from torch_cutbce.triton import cost_model
+
+    for name, recorded in cost_model.INSTRUCTIONS_PER_LOGIT.items():
+        counted = aot.instructions_per_logit(name)
+        assert abs(counted - recorded) <= 0.1 * recorded, f"{name}: {counted:.1f} instructions per logit in the " \
+            f"sm_90 SASS, the model says {recorded}"
+

@@ -310,6 +310,35 @@ def table() -> None:
               f"{blocks:<16}{GPU_NAMES[case.capability]:<8}{numbers}")
 
 
+def opcodes(compiled) -> list[str]:
+    """The SASS opcodes of a compiled kernel, in order (nvdisasm, bundled with Triton beside ptxas)."""
+    nvdisasm = os.path.join(os.path.dirname(ptxas_path()), "nvdisasm")
+    with tempfile.TemporaryDirectory() as folder:
+        cubin = os.path.join(folder, "kernel.cubin")
+        with open(cubin, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        listing = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
+    return re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", listing)
+
+
+def instructions_per_logit(pass_name: str, dtype: torch.dtype = torch.bfloat16, capability: int = 90) -> float:
+    """SASS instructions one logit costs in a pass of the plain loss: two compiles (D 128, no optional
+    input) whose tiles differ only in 16 more columns (the item pass: 16 more positions), the
+    difference of their instruction counts over the logits each thread gains. A tile's elementwise
+    code is unrolled per thread and runs once per tile, so this is its cost per logit: the loss
+    math, one label slot (L is a run-time loop), the slope's conversion and the products' share."""
+    shipped = launch.blocks_for(pass_name, dtype, capability)
+    side = shipped.block_v if pass_name == "items" else shipped.block_n  # the products' M side, kept
+
+    def count(width: int) -> int:
+        tile = (width, side) if pass_name == "items" else (side, width)
+        blocks = launch.Blocks(*tile, num_warps=shipped.num_warps, num_stages=1, block_k=16)
+        case = Case(pass_name, dtype, Loss(), 128, capability, blocks, False, False, False)
+        return len(opcodes(compile_case(case)))
+
+    return (count(32) - count(16)) / (side * 16 / (32 * shipped.num_warps))
+
+
 def step_instruction_classes() -> dict:
     """`(pass, dtype) -> instruction class` of the cost model's passes, compiled for sm_90."""
     cases = [Case(name, dtype, TABLE_LOSS, cost_model.D, 90)
@@ -324,7 +353,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", action="store_true", help="print the cost model (an estimate, not a measurement)")
     args = parser.parse_args(argv)
     if args.model:
-        print(cost_model.report(step_instruction_classes()))
+        counted = {name: instructions_per_logit(name) for name in cost_model.STEP_PASSES}
+        print(cost_model.report(step_instruction_classes(), counted))
     elif args.dump_ptx:
         names = dump_ptx(args.dump_ptx)
         print(f"{len(names)} PTX files in {args.dump_ptx}")

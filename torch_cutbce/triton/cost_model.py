@@ -11,8 +11,10 @@ compile, `aot.py`):
 - bytes each program loads per FLOP: what one tile step reads (the streamed operand block, the ids,
   the per-item or per-position vectors) over the FLOPs of that step (the tiles' reuse, not HBM
   traffic: most of it hits L2);
-- time = the products at the instruction class's rate + the loss's elementwise math at the FP32
-  pipe's rate, added (no overlap assumed: an upper estimate where the two would overlap).
+- time = the products at the instruction class's rate + the tile's other instructions (the loss
+  math, the labels, the slope's conversion: counted per logit in the compiled SASS,
+  `aot.instructions_per_logit`) at one per lane per clock, added (no overlap assumed: an upper
+  estimate where the two would overlap).
 
 The native engine beside it: three float32 products per tile on cuBLAS (it computes 16-bit inputs in
 float32) and its `[N, block_v]` tiles through HBM. The floor: three matmuls in the input dtype at the
@@ -32,12 +34,16 @@ FP32_INSTRUCTIONS = FP32_PEAK / 2  # instructions/s: one per lane per clock
 HBM_BYTES = 3.35e12  # bytes/s
 # Assumptions, not measurements (each would be replaced by a GPU's number):
 MMA_SYNC_ON_SM_90 = 0.6  # Ampere's mma.sync on Hopper, a fraction of the warpgroup MMA's rate
-OPS_PER_LOGIT = 60  # FP32-pipe instructions of the plain loss per logit per pass (tile_math, L = 8 compares)
+LABEL_SLOT_INSTRUCTIONS = 2  # per logit and label slot past the first (a compare and an or)
 NATIVE_BYTES_PER_LOGIT = 20  # float32 z written and read, dz written and read by two products and the bias sum
 N, D, L = 32_768, 128, 8
 VOCAB = (2**17, 2**20)
 DTYPES = (torch.bfloat16, torch.float32)
 STEP_PASSES = ("rows_grad", "items")  # 'mean' with gradients: the one-pass row kernel, then the item kernel
+# SASS instructions per logit of each step pass, plain loss, one label slot: counted in the sm_90
+# bfloat16 compile by `aot.instructions_per_logit` (tests/test_triton_compile.py holds these within
+# 10% of it; `--model` uses the count it makes). The same float32 code serves every input dtype.
+INSTRUCTIONS_PER_LOGIT = {"rows_grad": 62, "items": 96}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +64,10 @@ def product_rate(dtype: torch.dtype, instruction_class: str) -> float:
     return peak if instruction_class == "wgmma" else peak * MMA_SYNC_ON_SM_90
 
 
-def pass_cost(name: str, dtype: torch.dtype, num_items: int, instruction_class: str) -> PassCost:
-    """One pass of the Triton engine at `N`, `D`, `num_items` (V)."""
+def pass_cost(name: str, dtype: torch.dtype, num_items: int, instruction_class: str,
+              per_logit: float | None = None) -> PassCost:
+    """One pass of the Triton engine at `N`, `D`, `num_items` (V); `per_logit`: its SASS instructions
+    per logit for one label slot (default `INSTRUCTIONS_PER_LOGIT`)."""
     from torch_cutbce.triton import launch
 
     blocks = launch.blocks_for(name, dtype, 90)
@@ -72,7 +80,8 @@ def pass_cost(name: str, dtype: torch.dtype, num_items: int, instruction_class: 
         loaded = blocks.block_n * (D * size + L * 4 + 4)
     else:  # a row program streams the table's rows, their bias, class_weight and pos_weight, and the ids
         loaded = blocks.block_v * (D * size + 3 * 4) + blocks.block_n * L * 4
-    time_s = flops / product_rate(dtype, instruction_class) + N * num_items * OPS_PER_LOGIT / FP32_INSTRUCTIONS
+    per_logit = (INSTRUCTIONS_PER_LOGIT[name] if per_logit is None else per_logit) + LABEL_SLOT_INSTRUCTIONS * (L - 1)
+    time_s = flops / product_rate(dtype, instruction_class) + N * num_items * per_logit / FP32_INSTRUCTIONS
     return PassCost(name, products, flops, loaded / per_tile, instruction_class, time_s)
 
 
@@ -86,19 +95,24 @@ def native_s(num_items: int) -> float:
     return 3 * 2.0 * N * num_items * D / FP32_PEAK + N * num_items * NATIVE_BYTES_PER_LOGIT / HBM_BYTES
 
 
-def report(classes: dict) -> str:
+def report(classes: dict, per_logit: dict | None = None) -> str:
     """The model's table; `classes`: `(pass, dtype) -> instruction class` of the shipped configurations
-    on sm_90 (`aot.step_instruction_classes()`, read from their compiled code)."""
-    lines = [f"A MODEL, not a measurement: H100 SXM peaks, N {N}, D {D}, 'mean' with every gradient.",
-             f"Assumed: mma.sync on sm_90 at {MMA_SYNC_ON_SM_90} of wgmma's rate, {OPS_PER_LOGIT} FP32 "
-             f"instructions per logit per pass, native {NATIVE_BYTES_PER_LOGIT} HBM bytes per logit.",
+    on sm_90 (`aot.step_instruction_classes()`, read from their compiled code); `per_logit`: pass ->
+    SASS instructions per logit (`aot.instructions_per_logit`; default `INSTRUCTIONS_PER_LOGIT`)."""
+    per_logit = per_logit or INSTRUCTIONS_PER_LOGIT
+    counted = ", ".join(f"{name} {per_logit[name]:.0f}" for name in STEP_PASSES)
+    lines = [f"A MODEL, not a measurement: H100 SXM peaks, N {N}, D {D}, L {L}, 'mean' with every gradient.",
+             f"Counted in the sm_90 SASS: instructions per logit besides the products ({counted}), issued at "
+             f"one per lane per clock.",
+             f"Assumed: mma.sync on sm_90 at {MMA_SYNC_ON_SM_90} of wgmma's rate, {LABEL_SLOT_INSTRUCTIONS} "
+             f"instructions per logit per further label slot, native {NATIVE_BYTES_PER_LOGIT} HBM bytes per logit.",
              f"{'V':>8} {'dtype':<6}{'pass':<11}{'products':>9}{'TFLOP':>8}{'bytes/FLOP':>11}  {'class':<9}"
              f"{'est. ms':>9}{'/ floor':>9}"]
     for num_items in VOCAB:
         for dtype in DTYPES:
             floor = floor_s(dtype, num_items)
             name = "fp32" if dtype == torch.float32 else "bf16"
-            costs = [pass_cost(p, dtype, num_items, classes[p, dtype]) for p in STEP_PASSES]
+            costs = [pass_cost(p, dtype, num_items, classes[p, dtype], per_logit[p]) for p in STEP_PASSES]
             for c in costs:
                 lines.append(f"{num_items:>8} {name:<6}{c.name:<11}{c.products:>9}{c.flops / 1e12:>8.1f}"
                              f"{c.bytes_per_flop:>11.4f}  {c.instruction_class:<9}{c.time_s * 1e3:>9.1f}"
