@@ -4,7 +4,7 @@
 # `:::` name, or a docstring that documents an argument the signature does not have (griffe reads
 # Google-style docstrings statically; neither torch nor jax is installed). Builds .venv-docs at the
 # repository root (Python 3.11, exactly ci/docs-constraints.txt) the first time, and again only when
-# that file or this script changed (a stamp, as ci/replay.sh). The site lands in site/ (git-ignored).
+# that file or this script changed (a stamp, as ci/torch_cpu_venv.sh). The site lands in site/ (git-ignored).
 #
 #   bash ci/docs.sh              # build or reuse .venv-docs, build the site
 #   bash ci/docs.sh serve        # or any other mkdocs command, e.g. a local preview

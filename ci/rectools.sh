@@ -2,38 +2,18 @@
 # The RecTools integration (torch_cutbce.integrations.rectools) against the real package, and the core
 # on numpy 1.x, in .venv-rectools at the repository root: Python 3.11, rectools[torch] 0.19.0 with the
 # CPU build of torch 2.13.0, pytorch-lightning 2.5 and numpy 1.26, exactly the versions of
-# ci/rectools-constraints.txt, plus pytest and hypothesis; torch_cutbce from this checkout (PYTHONPATH,
-# no install). Built the first time, and again only when that file or this script changed (a stamp,
-# as ci/replay.sh). The torch CPU wheel comes from /opt/wheels where a machine has it, else from
-# PyTorch's CPU index. Then, there: tests/test_integrations_rectools.py (SASRec and BERT4Rec against a
-# float64 dense BCE, Lightning fits, recommend(), the validation split, save/load) and the core files
-# below, which need torch and numpy only: the library's numpy 1.x check.
+# ci/rectools-constraints.txt, plus pytest and hypothesis (built by ci/torch_cpu_venv.sh); torch_cutbce
+# from this checkout (PYTHONPATH, no install). Then, there: tests/test_integrations_rectools.py (SASRec
+# and BERT4Rec against a float64 dense BCE, Lightning fits, recommend(), the validation split,
+# save/load) and the core files below, which need torch and numpy only: the library's numpy 1.x check.
 #
 #   bash ci/rectools.sh              # build or reuse .venv-rectools, run the tests
 #   bash ci/rectools.sh -k bert4rec  # extra arguments go to pytest
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3.11}
 venv=.venv-rectools
-stamp=$venv/.cutbce-rectools-stamp
-want=$(cat ci/rectools-constraints.txt ci/rectools.sh | sha256sum | cut -d' ' -f1)
-
-pip_quiet() {
-  "$venv/bin/python" -m pip install -q --disable-pip-version-check "$@" 2>&1 | { grep -v "is ignored" || true; } >&2
-}
-
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  echo "[rectools] building $venv (rectools 0.19.0, torch 2.13.0+cpu, numpy 1.26; about 1 min)" >&2
-  rm -rf "$venv"
-  "$PY" -m venv "$venv"
-  if compgen -G "/opt/wheels/torch-2.13.0+cpu-*.whl" >/dev/null; then
-    source=(--find-links /opt/wheels)
-  else
-    source=(--extra-index-url https://download.pytorch.org/whl/cpu)
-  fi
-  pip_quiet "${source[@]}" -c ci/rectools-constraints.txt 'torch==2.13.0+cpu' 'rectools[torch]' numpy pytest hypothesis
-  echo "$want" > "$stamp"
-fi
+source ci/torch_cpu_venv.sh
+torch_cpu_venv rectools "$venv" ci/rectools-constraints.txt ci/rectools.sh 'rectools[torch]' numpy pytest hypothesis
 "$venv/bin/python" -c 'import rectools, torch, numpy, pytorch_lightning as pl; print(f"[rectools] rectools {rectools.__version__}, torch {torch.__version__}, numpy {numpy.__version__}, pytorch-lightning {pl.__version__}")' >&2
 
 # -p no:cacheprovider as ci/test.sh; the conftest of tests/ needs pytest only. Deselected: a torch.compile
