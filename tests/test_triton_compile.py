@@ -1,15 +1,16 @@
 """The shipped Triton configurations compile for sm_80 and sm_90 within budget, without a GPU.
 
 Every pass (`launch.PASSES`) x every `Loss` form the suite runs (`conformance_engines.LOSSES`) x
-dtype x target, with bias, class_weight and pos_weight all present, at D = 64, 128 (one block of
-gradient columns; ptxas's allocation is not monotone in D: candidates spilled at 64 and not at 128)
-and 256 (two, the logits recomputed per block): ptxas reports no spill bytes (`aot.ALLOWED_SPILL_BYTES`
-but) and Triton's shared memory fits the target's limit per block (`aot.py`), and the products lower to the target's fast instruction class
-(`aot.FAST_PATH`: `wgmma.mma_async` on sm_90 and `mma.sync` on sm_80 for 16-bit inputs, no
-tensor-core instruction for float32). Compiled once per module over the CPUs (`aot.measure_all`);
-Triton's cache makes a rerun quick. Then the checks failing: tiles too large spill, a hidden block
-too deep overflows shared memory, a tile too small for a warpgroup falls to `mma.sync` on sm_90, and
-the message names what failed.
+dtype x target, with bias, class_weight and pos_weight all present and with none (ptxas's allocation
+is not monotone: a kernel with fewer inputs can spill where the fuller one does not), at D = 64, 128
+(one block of gradient columns) and 256 (two, the logits recomputed per block), each compiled as a
+launch specializes it (`aot.launch_attributes`): ptxas reports no spill bytes, Triton's shared memory
+fits the target's limit per block (`aot.py`), and the products lower to the target's fast
+instruction class (`aot.FAST_PATH`: `wgmma.mma_async` on sm_90 and `mma.sync` on sm_80 for 16-bit
+inputs, no tensor-core instruction for float32). Compiled once per module over the CPUs
+(`aot.measure_all`); Triton's cache makes a rerun quick, and D 256 is D 128's compile. Then the checks
+failing: tiles too large spill, a hidden block too deep overflows shared memory, a tile too small for
+a warpgroup falls to `mma.sync` on sm_90, and the message names what failed.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ from conformance_engines import LOSSES  # noqa: E402
 from cutbce_common.loss import Loss  # noqa: E402
 from torch_cutbce.triton import aot, launch  # noqa: E402
 
-pytestmark = pytest.mark.slow  # 437 checks; 2 cores: 1 min with a warm Triton cache, 8.5 from an empty one (load 4-5)
+pytestmark = pytest.mark.slow  # 873 checks; 2 cores: 1 min with a warm Triton cache, about 6 from an empty one
 
 FORMS = {loss.form(): name for name, loss in reversed(LOSSES.items())}  # one name per form (all six differ)
 CASES = {
-    f"{pass_name}-{aot.TYPE_NAMES[dtype]}-{FORMS[form]}-D{hidden_size}-{aot.GPU_NAMES[capability]}":
-        aot.Case(pass_name, dtype, LOSSES[FORMS[form]], hidden_size, capability)
-    for pass_name in launch.PASSES for dtype in launch.DTYPES for form in FORMS
+    f"{pass_name}-{aot.TYPE_NAMES[dtype]}-{FORMS[form]}-{'all' if optional else 'no'}_inputs-D{hidden_size}-"
+    f"{aot.GPU_NAMES[capability]}":
+        aot.Case(pass_name, dtype, LOSSES[FORMS[form]], hidden_size, capability, None, optional, optional, optional)
+    for pass_name in launch.PASSES for dtype in launch.DTYPES for form in FORMS for optional in (True, False)
     for hidden_size in aot.HIDDEN_SIZES for capability in aot.CAPABILITIES
 }
 HEAVY = LOSSES["smoothing0.2-focal1.5-balanced"]

@@ -145,7 +145,7 @@ class ChunkedOps:
         def rows_grad(ctx, g_rows, _g_counts, _g_logits, _g_ids):
             _refuse_double_backward()
             if g_rows is None:  # the rows' gradient is undefined (not materialized): every input's is too
-                return (None,) * 7
+                return (None,) * 8
             hidden, item_weight, ids, bias, class_weight, pos_weight, saved = ctx.saved_tensors
             wants = ctx.needs_input_grad
             need = [wants[0], wants[1], wants[3] and bias is not None]

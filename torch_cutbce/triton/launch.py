@@ -47,6 +47,9 @@ class Blocks:
       num_warps, num_stages: Triton's.
       block_k: the logits' step over D, streamed through shared memory (power of two, >= 16; at most
         the program's `BLOCK_D`).
+      max_registers: the registers a thread may take (`maxnreg`, the PTX's `.maxnreg`). Left to
+        itself, ptxas holds some of these kernels to 128 (two blocks of 8 warps per SM) and spills
+        the rest; 255 lets it take what the tile needs, spill-free (one block per SM).
     """
 
     block_n: int = 64
@@ -55,6 +58,7 @@ class Blocks:
     num_warps: int = 8
     num_stages: int = 2
     block_k: int = 64
+    max_registers: int = 255
 
     def __post_init__(self):
         for name in ("block_n", "block_v", "max_block_d", "block_k"):
@@ -65,6 +69,8 @@ class Blocks:
             raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got num_warps={self.num_warps}")
         if self.num_stages < 1:
             raise ValueError(f"num_stages must be >= 1, got num_stages={self.num_stages}")
+        if not 24 <= self.max_registers <= 255:
+            raise ValueError(f"max_registers must be in [24, 255], got max_registers={self.max_registers}")
 
     def block_d(self, hidden_size: int) -> int:
         return min(self.max_block_d, max(16, triton.next_power_of_2(hidden_size)))
@@ -72,25 +78,25 @@ class Blocks:
 
 # The shipped configurations, one per pass, input dtype and target (no hidden size: the kernels stream
 # both operands over D in `block_k` steps, so one tile serves D 64, 128 and 256). Each compiles without
-# spilling (float32's item pass: `aot.ALLOWED_SPILL_BYTES`) for its target, for every Loss form and
-# every optional input, specialized as a launch is (`aot.launch_attributes`), and puts 16-bit products
-# on the target's fast instruction (`aot.py` prints the numbers; tests/test_triton_compile.py checks
-# them). On sm_90 a 16-bit product's M side (the rows of the row pass, the items of the item pass,
-# whose tiles are item-major) is 64, a warpgroup's MMA; narrower, Triton emits Ampere's mma.sync.
-# The tiles are small beside CCE's 128 x 128: the loss's exact math lives in registers beside the
-# tile and the gradient block (docs/triton.md, 'Why not CCE's 128 x 128'). ptxas's allocation is not
-# monotone in the tile, the form or D, so each entry is the first spill-free one of a search over
-# every form and D, not a rule. (block_n, block_v, max_block_d, num_warps, num_stages, block_k)
+# spilling for its target, for every Loss form, with every optional input and with none, specialized
+# as a launch is (`aot.launch_attributes`), and puts 16-bit products on the target's fast instruction
+# (`aot.py` prints the numbers; tests/test_triton_compile.py checks them). On sm_90 a 16-bit
+# product's M side (the rows of the row pass, the items of the item pass, whose tiles are item-major)
+# is 64, a warpgroup's MMA; narrower, Triton emits Ampere's mma.sync. The tiles are small beside
+# CCE's 128 x 128: the loss's exact math lives in registers beside the tile and the gradient block
+# (docs/triton.md says why, and what a tile of twice the area would take). ptxas's allocation is
+# not monotone in the tile, the form or D, so each entry is the largest spill-free one a search over
+# every form and D found, not a rule. (block_n, block_v, max_block_d, num_warps, num_stages, block_k)
 ROW_PASSES = ("rows", "grad", "rows_grad")  # rows and counts; d_hidden alone; all three in one pass
 PASSES = (*ROW_PASSES, "items")
 _B = Blocks
 _HALF_SM_90 = {"rows": _B(64, 32), "grad": _B(64, 32, block_k=32), "rows_grad": _B(64, 16, block_k=16),
                "items": _B(16, 64)}
-_HALF_SM_80 = {"rows": _B(32, 32), "grad": _B(64, 32, block_k=32), "rows_grad": _B(64, 32, num_stages=1, block_k=32),
+_HALF_SM_80 = {"rows": _B(64, 32), "grad": _B(64, 32, block_k=32), "rows_grad": _B(64, 32, num_stages=1, block_k=32),
                "items": _B(32, 32)}
-_FLOAT_SM_90 = {"rows": _B(32, 16, num_stages=1), "grad": _B(32, 32, num_warps=4, num_stages=1),
-                "rows_grad": _B(32, 16, num_warps=4), "items": _B(32, 16, num_stages=1)}
-_FLOAT_SM_80 = {"rows": _B(32, 16, num_stages=1), "grad": _B(32, 32, num_warps=4, num_stages=1),
+_FLOAT_SM_90 = {"rows": _B(32, 32, num_stages=1), "grad": _B(32, 32, num_warps=4, num_stages=1),
+                "rows_grad": _B(32, 32, num_warps=4, num_stages=1), "items": _B(32, 16, num_stages=1)}
+_FLOAT_SM_80 = {"rows": _B(32, 32, num_stages=1), "grad": _B(32, 32, num_warps=4, num_stages=1),
                 "rows_grad": _B(16, 16, num_warps=4, num_stages=1), "items": _B(32, 16, num_stages=1, block_k=32)}
 SHIPPED = {(torch.float32, 80): _FLOAT_SM_80, (torch.float32, 90): _FLOAT_SM_90,
            **{(dtype, capability): tiles for dtype in (torch.bfloat16, torch.float16)
@@ -171,7 +177,12 @@ def _common(hidden, item_weight, ids, bias, class_weight, pos_weight, loss, bloc
     flags = kernel_constexprs(hidden.dtype, loss, blocks, hidden.shape[1], has_bias=bias is not None,
                               has_class_weight=class_weight is not None, has_pos_weight=pos_weight is not None,
                               outputs=outputs)
-    return pointers, sizes, numbers, dict(flags, num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+    return pointers, sizes, numbers, dict(flags, **compile_options(blocks))
+
+
+def compile_options(blocks: Blocks) -> dict:
+    """Triton's compile options of a launch (and of `aot.compile_case`): warps, stages, registers."""
+    return dict(num_warps=blocks.num_warps, num_stages=blocks.num_stages, maxnreg=blocks.max_registers)
 
 
 def rows_pass(hidden, item_weight, ids, bias, class_weight, pos_weight, g, loss: Loss, *, with_rows: bool,
