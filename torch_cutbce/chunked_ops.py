@@ -14,11 +14,11 @@ the native loop's calls (`torch_cutbce/native/loop.py`: `rows_forward`, `rows_ba
 positives' logits `[N, L]` in the native loop; in the Triton engine, `d_hidden` for a row gradient of
 1, `[N, D]`, when hidden's gradient is wanted, so that the backward only scales it, else `[N, 0]`).
 The rows op is told whether hidden's gradient is wanted (`hidden_grad`: grad mode on and
-`hidden.requires_grad`, autograd's own `needs_input_grad[0]`). Every op takes its tensors plus one `options: str`, a `CutBCEOptions.encode()` string (tile
-width, metrics, focal, offset, id limit): adding an option never changes a schema. What varies per
-call travels beside it: which gradients are wanted (`need: list[bool]`) and the one-pass `divisor`
-(a 0-d float64 tensor: as a float, torch.compile would make N V a constant of the graph, one graph
-per N under dynamic shapes).
+`hidden.requires_grad`, autograd's own `needs_input_grad[0]`). Every op takes its tensors plus one
+`options: str`, a `CutBCEOptions.encode()` string (tile width, metrics, focal, offset, id limit):
+adding an option never changes a schema. What varies per call travels beside it: which gradients
+are wanted (`need: list[bool]`) and the one-pass `divisor` (a 0-d float64 tensor: as a float,
+torch.compile would make N V a constant of the graph, one graph per N under dynamic shapes).
 
     rows(...)  -> (rows [N], counts [4, N] or [0, N])       reduction='none'; vocab-parallel ranks
     loss(...)  -> (loss [], counts [4] or [0])              'sum' / 'mean', gradients in the forward
@@ -116,7 +116,8 @@ class ChunkedOps:
             o = decode(options)
             _check_ids(targets, item_weight, o)
             with torch.autocast(hidden.device.type, enabled=False), torch.no_grad():
-                return passes.rows_forward(hidden, item_weight, targets, bias, class_weight, pos_weight, hidden_grad, o)
+                return passes.rows_forward(hidden, item_weight, targets, bias, class_weight, pos_weight,
+                                           hidden_grad, o)
 
         @rows_op.register_fake
         def _(hidden, item_weight, targets, bias, class_weight, pos_weight, hidden_grad, options):
