@@ -3,8 +3,9 @@
 Every pass (`launch.PASSES`) x every `Loss` form the suite runs (`conformance_engines.LOSSES`) x
 dtype x target, with bias, class_weight and pos_weight all present and with none (ptxas's allocation
 is not monotone: a kernel with fewer inputs can spill where the fuller one does not), at D = 64, 128
-(one block of gradient columns) and 256 (two, the logits recomputed per block), each compiled as a
-launch specializes it (`aot.launch_attributes`): ptxas reports no spill bytes, Triton's shared memory
+(one block of gradient columns) and 256 (two, the logits recomputed per block), and with one target
+per position (L = 1, its own compile) at D 128, each compiled as a launch specializes it
+(`aot.launch_attributes`): ptxas reports no spill bytes, Triton's shared memory
 fits the target's limit per block (`aot.py`), and the products lower to the target's fast
 instruction class (`aot.FAST_PATH`: `wgmma.mma_async` on sm_90 and `mma.sync` on sm_80 for 16-bit
 inputs, no tensor-core instruction for float32). Compiled once per module over the CPUs
@@ -25,7 +26,7 @@ from conformance_engines import LOSSES  # noqa: E402
 from cutbce_common.loss import Loss  # noqa: E402
 from torch_cutbce.triton import aot, launch  # noqa: E402
 
-pytestmark = pytest.mark.slow  # 873 checks; 2 cores: 1 min with a warm Triton cache, about 6 from an empty one
+pytestmark = pytest.mark.slow  # 1,152 configurations, 2 checks each; 2 cores: 1 min with a warm Triton cache, about 6 from an empty one
 
 FORMS = {loss.form(): name for name, loss in reversed(LOSSES.items())}  # one name per form (all six differ)
 CASES = {
@@ -35,6 +36,13 @@ CASES = {
     for pass_name in launch.PASSES for dtype in launch.DTYPES for form in FORMS for optional in (True, False)
     for hidden_size in aot.HIDDEN_SIZES for capability in aot.CAPABILITIES
 }
+CASES.update({  # one target per position (L = 1: a constant at launch, a compile of its own), at D 128
+    f"{pass_name}-{aot.TYPE_NAMES[dtype]}-{FORMS[form]}-{'all' if optional else 'no'}_inputs-L1-"
+    f"{aot.GPU_NAMES[capability]}":
+        aot.Case(pass_name, dtype, LOSSES[FORMS[form]], 128, capability, None, optional, optional, optional, True)
+    for pass_name in launch.PASSES for dtype in launch.DTYPES for form in FORMS for optional in (True, False)
+    for capability in aot.CAPABILITIES
+})
 HEAVY = LOSSES["smoothing0.2-focal1.5-balanced"]
 
 
@@ -76,7 +84,8 @@ def test_a_tile_too_small_for_a_warpgroup_is_off_the_fast_path_on_sm_90():
 def test_compiles_are_specialized_as_a_launch_is(capability):
     """D a multiple of 16 and aligned pointers (what Triton's JIT marks at a launch of such inputs): the
     tiles are copied 16 bytes at a time into shared memory, asynchronously (`cp.async`, pipelined); D
-    120 has no hint on D, and its tiles are loaded element by element, as its launches would be."""
+    120 has no hint on D, and its tiles are loaded element by element, as its launches would be. One
+    target per position makes L a constant, as the JIT does with an integer argument of 1."""
     hinted, plain = (aot.Case("rows", torch.bfloat16, Loss(), hidden_size, capability) for hidden_size in (128, 120))
     attributes = aot.launch_attributes(hinted.kernel, aot.signature(hinted.kernel, torch.bfloat16, hinted.constexprs()),
                                        128)
@@ -84,6 +93,8 @@ def test_compiles_are_specialized_as_a_launch_is(capability):
     assert "D" in names and "h_ptr" in names and "N" not in names and "V" not in names
     assert "D" not in [hinted.kernel.arg_names[index] for (index,) in aot.launch_attributes(
         plain.kernel, aot.signature(plain.kernel, torch.bfloat16, plain.constexprs()), 120)]
+    one_label = aot.Case("rows", torch.bfloat16, Loss(), 128, capability, one_label=True)
+    assert aot.signature(one_label.kernel, torch.bfloat16, one_label.constexprs())["L"] == "constexpr"
     fast, slow = (aot.compile_case(case).asm["ptx"] for case in (hinted, plain))
     assert "cp.async.cg" in fast and "ld.global.b16" not in fast
     assert "cp.async" not in slow and "ld.global.b16" in slow

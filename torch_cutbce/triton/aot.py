@@ -69,6 +69,8 @@ class Case:
 
     `blocks` None is the shipped `launch.blocks_for(pass_name, dtype, capability)`; the optional inputs (bias,
     class_weight, pos_weight) are all present by default, the costliest form of each kernel.
+    `one_label`: one id slot per position (L = 1, next-item targets), which Triton's JIT makes a
+    constant at launch (an integer argument equal to 1), so a compile of its own.
     """
 
     pass_name: str
@@ -80,6 +82,7 @@ class Case:
     has_bias: bool = True
     has_class_weight: bool = True
     has_pos_weight: bool = True
+    one_label: bool = False
 
     @property
     def kernel(self):
@@ -95,9 +98,10 @@ class Case:
         return launch.row_outputs(self.pass_name != "grad", self.pass_name != "grad", self.pass_name != "rows")
 
     def constexprs(self) -> dict:
-        return launch.kernel_constexprs(self.dtype, self.loss, self.launch_blocks, self.hidden_size,
-                                        has_bias=self.has_bias, has_class_weight=self.has_class_weight,
-                                        has_pos_weight=self.has_pos_weight, outputs=self.outputs())
+        flags = launch.kernel_constexprs(self.dtype, self.loss, self.launch_blocks, self.hidden_size,
+                                         has_bias=self.has_bias, has_class_weight=self.has_class_weight,
+                                         has_pos_weight=self.has_pos_weight, outputs=self.outputs())
+        return dict(flags, L=1) if self.one_label else flags
 
     def describe(self) -> str:
         b = self.launch_blocks
@@ -107,7 +111,8 @@ class Case:
                 f"form={tuple(self.loss.form())} D={self.hidden_size} block_n={b.block_n} block_v={b.block_v} "
                 f"BLOCK_D={b.block_d(self.hidden_size)} block_k={b.block_k} num_warps={b.num_warps} "
                 f"num_stages={b.num_stages} "
-                f"optional={'+'.join(optional) or 'none'} arch={GPU_NAMES[self.capability]}")
+                f"optional={'+'.join(optional) or 'none'}{' L=1' if self.one_label else ''} "
+                f"arch={GPU_NAMES[self.capability]}")
 
 
 @dataclasses.dataclass(frozen=True)
