@@ -33,8 +33,9 @@ class Spec:
     confident: 'some' (rows 0, 2, 4, ...) or 'all' rows get one positive (the same item, maybe
     repeated) with logit +20..+100 while every other logit of theirs sits at -10..-50 (through the
     bias, or through hidden[:, 0] with item_weight[:, 0] as the level; not possible without bias
-    for D < 2); padding: '-1', or 'mixed' (-1, -7, -2**31 and,
-    for int64 ids, -2**40; a narrow dtype's most negative value; uint8 ids have none). layouts: torch only, ((argument, layout), ...) where not contiguous.
+    for D < 2); padding: '-1', or 'mixed' (-1, -7, -2**31 and, for int64 ids, -2**40; a narrow
+    dtype's most negative value; uint8 ids have none). layouts: torch only, ((argument, layout), ...)
+    where not contiguous.
     """
 
     dtype: str = "float32"
@@ -224,7 +225,8 @@ def allowed_refusals(spec: Spec, engine: str) -> frozenset:
     reach the oracle. More than one when a spec breaks several rules (the first check raises).
 
     Everything else a spec can draw is valid: N = 0, D = 0, L = 0, any float dtype of the engine,
-    ids of any accepted integer dtype that holds them, negative padding ids of any size, signed or zero weights, any layout.
+    ids of any accepted integer dtype that holds them, negative padding ids of any size, signed or
+    zero weights, any layout.
     """
     refusals = set()
     if spec.block_v is not None and spec.block_v < 1:

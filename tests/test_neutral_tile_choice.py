@@ -281,31 +281,8 @@ def test_the_tuning_command_writes_a_choice_the_next_process_reads(tmp_path):
     assert subprocess.run(read, cwd=ROOT, env=env, capture_output=True, text=True).stdout.split()[-1] == "c_kernel"
 
 
-@pytest.mark.parametrize("flag, value", [("--num-items", "0"), ("--num-items", "-3"), ("--num-positions", "-1"),
-                                         ("--num-targets", "-2"), ("--hidden-size", "-1"), ("--threads", "-3"),
-                                         ("--rounds", "0"), ("--rounds", "2.5")])
-def test_the_tuning_command_refuses_a_bad_number_before_it_runs(flag, value, capsys, monkeypatch):
-    """Issue 39: a number out of range was a torch traceback from inside the tuning run (exit 1);
-    now every numeric flag is a usage error at parse time (exit 2) naming the flag and the value."""
-    from torch_cutbce import tune_tiles
-
-    def tune(*_):
-        raise AssertionError(f"the tuning ran: {flag} {value} was not refused when parsed")
-
-    monkeypatch.setattr(tune_tiles, "_tune", tune)
-    with pytest.raises(SystemExit) as exited:
-        tune_tiles.main([flag, value])
-    assert exited.value.code == 2
-    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
-    assert errors == [f"python -m torch_cutbce.tune_tiles: error: argument {flag}: expected a positive integer, "
-                      f"got '{value}'"], errors
-
-
-@pytest.mark.parametrize("flag, value", [("--num-items", str(10**12)), ("--num-positions", str(10**13)),
-                                         ("--num-items", str(2**70))])
-def test_the_tuning_command_refuses_sizes_too_large_to_allocate(flag, value, capsys, monkeypatch):
-    """Issue 46: sizes past the machine's memory were a torch traceback from the first allocation;
-    now a usage error (exit 2) naming the flag, its value and the memory, before anything runs."""
+def _usage_errors(flag, value, capsys, monkeypatch) -> list[str]:
+    """The tuning command's error lines for `flag value`, which must exit 2 before any tuning runs."""
     from torch_cutbce import tune_tiles
 
     def tune(*_):
@@ -315,7 +292,26 @@ def test_the_tuning_command_refuses_sizes_too_large_to_allocate(flag, value, cap
     with pytest.raises(SystemExit) as exited:
         tune_tiles.main([flag, value])
     assert exited.value.code == 2
-    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    return [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+
+
+@pytest.mark.parametrize("flag, value", [("--num-items", "0"), ("--num-items", "-3"), ("--num-positions", "-1"),
+                                         ("--num-targets", "-2"), ("--hidden-size", "-1"), ("--threads", "-3"),
+                                         ("--rounds", "0"), ("--rounds", "2.5")])
+def test_the_tuning_command_refuses_a_bad_number_before_it_runs(flag, value, capsys, monkeypatch):
+    """Issue 39: a number out of range was a torch traceback from inside the tuning run (exit 1);
+    now every numeric flag is a usage error at parse time (exit 2) naming the flag and the value."""
+    errors = _usage_errors(flag, value, capsys, monkeypatch)
+    assert errors == [f"python -m torch_cutbce.tune_tiles: error: argument {flag}: expected a positive integer, "
+                      f"got '{value}'"], errors
+
+
+@pytest.mark.parametrize("flag, value", [("--num-items", str(10**12)), ("--num-positions", str(10**13)),
+                                         ("--num-items", str(2**70))])
+def test_the_tuning_command_refuses_sizes_too_large_to_allocate(flag, value, capsys, monkeypatch):
+    """Issue 46: sizes past the machine's memory were a torch traceback from the first allocation;
+    now a usage error (exit 2) naming the flag, its value and the memory, before anything runs."""
+    errors = _usage_errors(flag, value, capsys, monkeypatch)
     assert len(errors) == 1 and f"error: argument {flag}: {value} is too large" in errors[0], errors
     assert "GiB, more than this machine's" in errors[0], errors
 

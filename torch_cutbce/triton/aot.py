@@ -7,9 +7,9 @@ into Triton's `ASTSource` and compiles it for `GPUTarget("cuda", capability, 32)
 ptxas bundled with Triton (`-v`) on its PTX for the registers and spill bytes, and reads the shared
 memory Triton reserves (`metadata.shared`) and counts the matrix instructions in the PTX
 (`instruction_class`); `check` compares them with the budget: no spill bytes, shared memory within
-the target's per-block limit, and the instruction class the target's fast path needs (`FAST_PATH`: Hopper's
-warpgroup MMA on sm_90, Ampere's `mma.sync` on sm_80 for 16-bit inputs; no tensor-core instruction
-for float32, whose products stay IEEE).
+the target's per-block limit, and the instruction class the target's fast path needs (`FAST_PATH`:
+Hopper's warpgroup MMA on sm_90, Ampere's `mma.sync` on sm_80 for 16-bit inputs; no tensor-core
+instruction for float32, whose products stay IEEE).
 
     python -m torch_cutbce.triton.aot                 # the table of the shipped configurations
     python -m torch_cutbce.triton.aot --dump-ptx DIR  # their PTX: <kernel>.<pass>.<dtype>.d<D>.sm_<cap>.ptx
@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import functools
 import multiprocessing
 import os
 import re
@@ -161,12 +162,12 @@ def signature(kernel, dtype: torch.dtype, constexprs: dict) -> dict[str, str]:
 
 
 def launch_attributes(kernel, types: dict[str, str], hidden_size: int) -> dict:
-    """The argument attributes Triton's JIT gives a launch (`JITFunction.run` specializes each pointer
-    whose address and each integer that is a multiple of 16: `tt.divisibility` 16), for contiguous
-    operands of D a multiple of 16: every pointer is 16-byte aligned (fresh allocations, and views
-    that start on a whole row of such a D), D divisible when it is, N, V and L not assumed. Without them the tiles'
-    loads are per element (a 64-bit address each), not vectors of 16 bytes, and not pipelined: the
-    compile would be another program than the one a launch runs. Other hidden sizes compile without D's
+    """The argument attributes Triton's JIT gives a launch: `JITFunction.run` marks a pointer whose
+    address, and an integer whose value, is a multiple of 16 (`tt.divisibility` 16). Here, for
+    contiguous operands with D a multiple of 16: every pointer (fresh allocations, and views that
+    start on a whole row of such a D), and D when it is one; N, V and L are not assumed. Without
+    them the tiles' loads are per element (a 64-bit address each), not 16-byte vectors, and not
+    pipelined: another program than the one a launch runs. Other hidden sizes compile without D's
     hint, as their launches do."""
     hinted = [name for name, kind in types.items() if kind.startswith("*")]
     if hidden_size % 16 == 0:
@@ -227,15 +228,20 @@ def measure(case: Case) -> Usage | Exception:
 
 
 def measure_all(cases: list[Case], workers: int | None = None) -> list[Usage | Exception]:
-    """`measure` of each case, over `workers` processes (default: the CPUs this process may use).
-    Spawned, not forked: the caller may hold torch's thread pools."""
+    """`measure` of each case, over `workers` processes (default: the CPUs this process may use)."""
+    return _spawned_map(measure, cases, workers)
+
+
+def _spawned_map(call, cases: list, workers: int | None = None) -> list:
+    """`[call(case) for case in cases]` over `workers` processes (default: the CPUs this process may
+    use), in order. Spawned, not forked: the caller may hold torch's thread pools."""
     if workers is None:
         workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if workers <= 1 or len(cases) <= 1:
-        return [measure(case) for case in cases]
+        return [call(case) for case in cases]
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(min(workers, len(cases)), mp_context=context) as pool:
-        return list(pool.map(measure, cases, chunksize=4))
+        return list(pool.map(call, cases, chunksize=4))
 
 
 def failures(case: Case, found: Usage) -> list[str]:
@@ -286,11 +292,7 @@ def dump_ptx(folder: str, cases: list[Case] | None = None) -> list[str]:
     """Write the PTX of `cases` (default: `shipped_cases()`) into `folder`; the file names."""
     os.makedirs(folder, exist_ok=True)
     cases = shipped_cases() if cases is None else cases
-    workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if workers <= 1:
-        return [_dump(case, folder) for case in cases]
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return list(pool.map(_dump, cases, [folder] * len(cases)))
+    return _spawned_map(functools.partial(_dump, folder=folder), cases)
 
 
 def table() -> None:
