@@ -50,12 +50,14 @@ def require_overlay() -> None:
 
 
 def libtpu_version() -> tuple[int, ...] | None:
-    """The version of the libtpu the compile-only children load (the overlay's), e.g. (0, 0, 50, 1);
-    None without an overlay. Read from its metadata, so libtpu is not loaded here."""
+    """The version of the libtpu the compile-only children load (the overlay's, else one installed
+    in the environment itself, as in .venv-tpu), e.g. (0, 0, 50, 1); None without either. Read from
+    its metadata, so libtpu is not loaded here."""
     from importlib import metadata
 
-    for dist in metadata.distributions(name="libtpu", path=[str(OVERLAY)]):
-        return tuple(int(part) for part in re.findall(r"\d+", dist.version.split("+")[0])[:4])
+    for path in ([str(OVERLAY)], None):
+        for dist in metadata.distributions(name="libtpu", **({} if path is None else {"path": path})):
+            return tuple(int(part) for part in re.findall(r"\d+", dist.version.split("+")[0])[:4])
     return None
 
 

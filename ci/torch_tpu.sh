@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The TorchTPU bridge's checks (tests/test_torch_tpu_bridge.py, and its multi-chip route on a fake process
-# group, tests/test_torch_tpu_dtensor.py) in their own environment, .venv-tpu:
+# group, tests/test_torch_tpu_dtensor.py), and the static TPU cost model's check against libtpu 0.0.52's
+# simulator (tests/test_tpu_cost.py), in their own environment, .venv-tpu:
 # torch 2.13 (CPU), torch_tpu, jax/jaxlib 0.10.2 and libtpu (ci/torch-tpu-constraints.txt). Builds
 # it when missing or when the pins changed (a stamp, as ci/setup.sh), then runs the test file in a
 # pytest process of its own: TorchTPU autoloads when torch is imported unless
@@ -32,4 +33,5 @@ export TORCH_DEVICE_BACKEND_AUTOLOAD=0
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONWARNINGS="ignore:<TorchTpu/Performance/TcMalloc/"
 unset JAX_PLATFORMS  # the test module sets cpu for itself; its compile-only child needs the TPU plugin
-.venv-tpu/bin/python -m pytest -q -p no:cacheprovider --durations=10 tests/test_torch_tpu_bridge.py tests/test_torch_tpu_dtensor.py "$@"
+.venv-tpu/bin/python -m pytest -q -p no:cacheprovider --durations=10 tests/test_torch_tpu_bridge.py tests/test_torch_tpu_dtensor.py \
+  tests/test_tpu_cost.py "$@"
