@@ -171,6 +171,27 @@ def test_topk_ranks_the_items_only_in_table_ids(layout, bias_rows):
     assert not torch.isin(ids, torch.tensor(special)).any()
 
 
+@pytest.mark.parametrize("per_position", [True, False])
+@pytest.mark.parametrize("over", ["items", "rows"])
+def test_topk_takes_a_bool_exclude_mask(over, per_position):
+    """Round 7: a bool `exclude` was read as item ids 0 and 1. Now a mask over the items or the rows,
+    per position or for all: the same as the ids it marks."""
+    special_rows, special = LAYOUTS["ends-and-inside"]
+    (hidden, table, bias), _, _ = make_batch(special, torch.float64)
+    items = items_of(special)
+    g = torch.Generator().manual_seed(3)
+    marked = torch.rand(3, 5, items.numel(), generator=g) < 0.4  # over the items
+    if not per_position:
+        marked = marked[0, 0].expand(3, 5, -1)
+    ids = torch.where(marked, items, -1)  # the same exclusion as table-row ids
+    mask = marked if over == "items" else torch.zeros(3, 5, ROWS, dtype=torch.bool).index_copy(2, items, marked)
+    with torch.no_grad():
+        want = full_catalog_topk(hidden, table, 6, bias, block_v=4, exclude=ids, special_rows=special_rows)
+        got = full_catalog_topk(hidden, table, 6, bias, block_v=4, special_rows=special_rows,
+                                exclude=mask if per_position else mask[0, 0])
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+
+
 def test_under_torch_compile_fullgraph():
     special_rows, special = LAYOUTS["ends-and-inside"]
     (hidden, table, bias), ids, real = make_batch(special, torch.float32)
@@ -225,6 +246,11 @@ def test_without_padding_row_is_one_special_row(padding_idx):
     (lambda t, i: full_catalog_topk(torch.zeros(2, D), t, ROWS, special_rows=SpecialRows.first(1)), ValueError,
      ["k", f"V={ROWS - 1}"]),
     (lambda t, i: CutBCEWithLogitsLoss(special_rows=(0,)), TypeError, ["special_rows", "tuple"]),
+    # round 7: top-k's k=None and a list bias were Python's own errors
+    (lambda t, i: full_catalog_topk(torch.zeros(2, D), t, None), TypeError, ["k", "None", f"V={ROWS}"]),
+    (lambda t, i: full_catalog_topk(torch.zeros(2, D), t, 3, [0.0] * ROWS), TypeError, ["bias", "list"]),
+    (lambda t, i: full_catalog_topk(torch.zeros(2, D), t, 3, exclude=torch.zeros(2, 5, dtype=torch.bool)),
+     ValueError, ["exclude", "bool mask", f"V = {ROWS}", "(2, 5)"]),
     # round 7: a per-item length one off the items is named for the special row it likely lacks
     (lambda t, i: without_special_rows(t, i, SpecialRows([0, -1]), torch.zeros(ROWS - 1)), ValueError,
      ["bias", f"[V] = [{ROWS - 2}]", f"[R] = [{ROWS}]", f"({ROWS - 1},)", "one special row fewer", "output_bias[1:]"]),
