@@ -300,7 +300,7 @@ def without_special_rows(
       these arguments should use 'sum' or 'none' when rows are excluded inside.
 
     Example:
-      >>> c = without_special_rows(emb.weight, ids, SpecialRows.first(2), item_bias)
+      >>> c = without_special_rows(emb.weight, ids, SpecialRows.first(2), item_bias)  # RecTools: PAD 0, MASK 1
       >>> loss = cut_bce_with_logits(hidden, c.item_weight, c.targets, c.bias, class_weight=c.class_weight,
       ...                            pos_weight=c.pos_weight, weight=mask, reduction="sum") / mask.sum()
     """
@@ -364,7 +364,14 @@ def catalog_of(item_weight, targets, special_rows, bias=None, *, class_weight=No
     sharded = is_dtensor(item_weight)
     if sharded:
         plan = plan.as_exclusion()
-    ids = map_ids(targets, plan, check=not sharded)
+    try:
+        ids = map_ids(targets, plan, check=not sharded)
+    except TypeError:
+        if not sharded:
+            raise
+        # One rank's targets of a dtype that is no id: the entry's every-rank check refuses them on
+        # every rank together (raising here would leave the other ranks waiting in a collective).
+        ids = targets
     bias, class_weight, pos_weight = (
         _per_item(name, value, plan, fill, sharded)
         for name, value, fill in (("bias", bias, 0.0), ("class_weight", class_weight, 0.0),
