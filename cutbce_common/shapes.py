@@ -93,7 +93,7 @@ def _check_float(name: str, spec: ArraySpec) -> None:
         )
 
 
-def _check_ids(targets: ArraySpec) -> None:
+def check_id_dtype(targets: ArraySpec) -> None:
     if targets.dtype_name in ID_DTYPES:
         return
     if targets.dtype_name in ("uint16", "uint32", "uint64"):
@@ -138,7 +138,7 @@ def check_arguments(
     block_v = check_block_v(block_v)
     _check_float("hidden", hidden)
     _check_float("item_weight", item_weight)
-    _check_ids(targets)
+    check_id_dtype(targets)
     if len(hidden.shape) < 1:
         raise ValueError(f"hidden must have shape [*S, D] with rank >= 1, got shape {hidden.shape}")
     if len(item_weight.shape) != 2:

@@ -19,7 +19,8 @@ import numpy as np
 from parity import to_numpy
 
 POSITIONAL = ("hidden", "item_weight", "targets", "bias")
-MODULE_OPTIONS = ("reduction", "pos_weight", "class_weight", "block_v", "backend", "return_metrics")
+MODULE_OPTIONS = ("reduction", "pos_weight", "class_weight", "block_v", "backend", "return_metrics",
+                  "special_rows")
 # 64-bit dtypes: JAX arrays have them only with x64 on (the session runs with it off, as users do).
 WIDE_DTYPES = ("int64", "uint64", "float64", "complex128")
 

@@ -93,6 +93,7 @@ ENTRY_CHECKS = (
     "test_torch_xla_backend_needs_xla_tensors", "test_module_checks_its_options_when_built",
     "test_jax_accepts_array_likes", "test_jax_traced_int64_ids_compare_in_int64",
     "test_jax_ids_at_or_above_V_under_jit_are_padding", "test_pallas_refuses_float64", "test_triton_refuses_float64",
+    "test_torch_special_rows_are_never_read",
 )
 
 
@@ -264,6 +265,27 @@ class BadInputChecks:
 
         with pytest.raises(ValueError, match=rf"{bad_input_argument} requires grad.*pass {bad_input_argument}.detach\(\)"):
             call(self.engine, {**good_arguments(), bad_input_argument: torch.ones(7, requires_grad=True)})
+
+    def test_torch_special_rows_are_never_read(self):
+        """Round 7: special rows inside the table (class weight 0) holding inf or NaN, or a +inf bias,
+        made the loss NaN (0 x inf). Loss and gradients equal those of finite special rows, bit for
+        bit, and the special rows' gradients are exactly 0."""
+        import torch
+
+        from torch_cutbce import SpecialRows
+
+        rng = np.random.default_rng(5)
+        table, bias = rng.normal(size=(9, 4)).astype(f32), rng.normal(size=9).astype(f32)
+        arguments = {**good_arguments(), "targets": rng.integers(-1, 9, size=T), "special_rows": SpecialRows([0, 4, 6])}
+        poisoned_table, poisoned_bias = table.copy(), bias.copy()
+        poisoned_table[[0, 4, 6]] = [[np.inf] * 4, [np.nan] * 4, [np.inf, -np.inf, 0, 1]]
+        poisoned_bias[[0, 4, 6]] = np.inf
+        want, _ = run(self.engine, {**arguments, "item_weight": table, "bias": bias})
+        got, _ = run(self.engine, {**arguments, "item_weight": poisoned_table, "bias": poisoned_bias})
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=f"{self.engine} {name}")
+        assert not got["d_item_weight"][[0, 4, 6]].any() and not got["d_bias"][[0, 4, 6]].any()
+        assert torch.isfinite(torch.as_tensor(got["loss"])).all()
 
     # -- one entry ---------------------------------------------------------------------------------
 

@@ -16,7 +16,8 @@ class TestNative(EngineConformance):
     dtypes = ("float32", "float64")
     bad_input_entry_checks = ("test_torch_rejects_non_tensors", "test_block_v_takes_numpy_integers",
                               "test_unknown_backend", "test_torch_constant_weights_must_not_require_grad",
-                              "test_torch_double_backward_of_rows_raises", "test_torch_xla_backend_needs_xla_tensors")
+                              "test_torch_double_backward_of_rows_raises", "test_torch_xla_backend_needs_xla_tensors",
+                              "test_torch_special_rows_are_never_read")
     row_dtypes = ("float32", "float64")
     property_runs = (PropertyRun("exact_as_dense", 100, layouts=True), PropertyRun("refuses_bad_input", 25))
     option_scaled_dtypes = ("float64", "float32")
@@ -26,7 +27,8 @@ class TestDense(EngineConformance):
     pytestmark = marks("torch-dense")
     engine = "torch-dense"
     reductions = ("none", "mean")
-    bad_input_entry_checks = ("test_torch_rejects_non_tensors", "test_block_v_takes_numpy_integers")
+    bad_input_entry_checks = ("test_torch_rejects_non_tensors", "test_block_v_takes_numpy_integers",
+                              "test_torch_special_rows_are_never_read")
     # Not exact_as_dense: this is torch's own BCEWithLogitsLoss, whose rounded log(1 + exp(-|z|)) is
     # 1e-3 relative off at z = -10 in float32 (docs/precision.md, 'Precision').
     property_runs = (PropertyRun("refuses_bad_input", 25),)
@@ -52,7 +54,8 @@ class TestModule(CheckFamilies, BadInputChecks, OptionChecks):
     engine = "torch-module"
     bad_input_entry_checks = ("test_torch_rejects_non_tensors", "test_block_v_takes_numpy_integers",
                               "test_torch_constant_weights_must_not_require_grad",
-                              "test_module_checks_its_options_when_built")
+                              "test_module_checks_its_options_when_built",
+                              "test_torch_special_rows_are_never_read")
     # The native engine's numbers are TestNative's: one case each shows the module hands them on.
     option_gammas = ("largest",)
     option_keras_cases = ("smoothing0.2-focal1.5-balanced",)

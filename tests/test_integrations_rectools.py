@@ -227,6 +227,11 @@ def test_bad_input_names_the_argument():
         build("sasrec", lightning_module_kwargs={"options": {"block": 8}}).fit(dataset)
     with pytest.raises(TypeError, match=r"item_bias: expected True or False, got 1"):
         build("bert4rec", lightning_module_kwargs={"item_bias": 1}).fit(dataset)
+    # round 7: a misspelt keyword trained without a bias, silently; bias_init='a' failed deep in torch
+    with pytest.raises(TypeError, match=r"lightning_module_kwargs: unknown keywords \['itembias'\]; .*item_bias"):
+        build("sasrec", lightning_module_kwargs={"itembias": True}).fit(dataset)
+    with pytest.raises(TypeError, match=r"bias_init: expected a finite number .* got 'a'"):
+        build("sasrec", lightning_module_kwargs={"item_bias": True, "bias_init": "a"}).fit(dataset)
 
 
 def test_the_benchmark_runs_tiny(tmp_path):

@@ -307,7 +307,8 @@ def test_the_tuning_command_refuses_a_bad_number_before_it_runs(flag, value, cap
 
 
 @pytest.mark.parametrize("flag, value", [("--num-items", str(10**12)), ("--num-positions", str(10**13)),
-                                         ("--num-items", str(2**70))])
+                                         ("--num-items", str(2**70)), ("--hidden-size", str(10**12)),
+                                         ("--num-targets", str(10**13))])  # round 7: D blamed --num-items
 def test_the_tuning_command_refuses_sizes_too_large_to_allocate(flag, value, capsys, monkeypatch):
     """Issue 46: sizes past the machine's memory were a torch traceback from the first allocation;
     now a usage error (exit 2) naming the flag, its value and the memory, before anything runs."""

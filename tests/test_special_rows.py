@@ -20,7 +20,8 @@ from torch_cutbce import (CutBCEWithLogitsLoss, SpecialRows, cut_bce_with_logits
 
 ROWS, D = 23, 8
 LAYOUTS = {  # name: (SpecialRows, its rows)
-    "pad-mask-first": (SpecialRows.first(2), [0, 1]),  # BERT4Rec: PAD 0, MASK 1
+    "pad-mask-first": (SpecialRows.first(2), [0, 1]),  # RecTools' BERT4Rec: PAD 0, MASK 1
+    "pad-first-mask-last": (SpecialRows.first(1) + SpecialRows.last(1), [0, ROWS - 1]),  # RecBole: MASK = n_items
     "pad-last": (SpecialRows.last(1), [ROWS - 1]),  # RePlay: padding_value = V
     "inside": (SpecialRows([9]), [9]),
     "ends-and-inside": (SpecialRows([0, 9, 10, -1]), [0, 9, 10, ROWS - 1]),
@@ -170,6 +171,27 @@ def test_topk_ranks_the_items_only_in_table_ids(layout, bias_rows):
     assert not torch.isin(ids, torch.tensor(special)).any()
 
 
+@pytest.mark.parametrize("per_position", [True, False])
+@pytest.mark.parametrize("over", ["items", "rows"])
+def test_topk_takes_a_bool_exclude_mask(over, per_position):
+    """Round 7: a bool `exclude` was read as item ids 0 and 1. Now a mask over the items or the rows,
+    per position or for all: the same as the ids it marks."""
+    special_rows, special = LAYOUTS["ends-and-inside"]
+    (hidden, table, bias), _, _ = make_batch(special, torch.float64)
+    items = items_of(special)
+    g = torch.Generator().manual_seed(3)
+    marked = torch.rand(3, 5, items.numel(), generator=g) < 0.4  # over the items
+    if not per_position:
+        marked = marked[0, 0].expand(3, 5, -1)
+    ids = torch.where(marked, items, -1)  # the same exclusion as table-row ids
+    mask = marked if over == "items" else torch.zeros(3, 5, ROWS, dtype=torch.bool).index_copy(2, items, marked)
+    with torch.no_grad():
+        want = full_catalog_topk(hidden, table, 6, bias, block_v=4, exclude=ids, special_rows=special_rows)
+        got = full_catalog_topk(hidden, table, 6, bias, block_v=4, special_rows=special_rows,
+                                exclude=mask if per_position else mask[0, 0])
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+
+
 def test_under_torch_compile_fullgraph():
     special_rows, special = LAYOUTS["ends-and-inside"]
     (hidden, table, bias), ids, real = make_batch(special, torch.float32)
@@ -224,6 +246,32 @@ def test_without_padding_row_is_one_special_row(padding_idx):
     (lambda t, i: full_catalog_topk(torch.zeros(2, D), t, ROWS, special_rows=SpecialRows.first(1)), ValueError,
      ["k", f"V={ROWS - 1}"]),
     (lambda t, i: CutBCEWithLogitsLoss(special_rows=(0,)), TypeError, ["special_rows", "tuple"]),
+    # round 7: top-k's k=None and a list bias were Python's own errors
+    (lambda t, i: full_catalog_topk(torch.zeros(2, D), t, None), TypeError, ["k", "None", f"V={ROWS}"]),
+    (lambda t, i: full_catalog_topk(torch.zeros(2, D), t, 3, [0.0] * ROWS), TypeError, ["bias", "list"]),
+    (lambda t, i: full_catalog_topk(torch.zeros(2, D), t, 3, exclude=torch.zeros(2, 5, dtype=torch.bool)),
+     ValueError, ["exclude", "bool mask", f"V = {ROWS}", "(2, 5)"]),
+    # round 7: a per-item length one off the items is named for the special row it likely lacks
+    (lambda t, i: without_special_rows(t, i, SpecialRows([0, -1]), torch.zeros(ROWS - 1)), ValueError,
+     ["bias", f"[V] = [{ROWS - 2}]", f"[R] = [{ROWS}]", f"({ROWS - 1},)", "one special row fewer", "output_bias[1:]"]),
+    (lambda t, i: without_special_rows(t, i, SpecialRows.first(1), pos_weight=torch.ones(ROWS - 2)), ValueError,
+     ["pos_weight", f"[V] = [{ROWS - 1}]", "one special row more", "forgotten in special_rows"]),
+    (lambda t, i: cut_bce_with_logits(torch.zeros(3, 5, D), t, i, class_weight=torch.ones(ROWS - 5),
+                                      special_rows=SpecialRows([0, 9, -1])), ValueError,
+     ["class_weight", f"[V] = [{ROWS - 3}]", f"[R] = [{ROWS}]", f"({ROWS - 5},)"]),
+    (lambda t, i: cut_bce_with_logits(torch.zeros(3, 5, D), t, i, torch.zeros(7), special_rows=SpecialRows([9])),
+     ValueError, ["bias", f"[V] = [{ROWS - 1}]", f"[R] = [{ROWS}]", "(7,)"]),
+    (lambda t, i: full_catalog_topk(torch.zeros(2, D), t, 3, torch.zeros(ROWS - 1),
+                                    special_rows=SpecialRows([0, -1])), ValueError, ["bias", "one special row fewer"]),
+    # round 7: uint64 ids >= 2**63 wrapped to negative ids (padding) with special_rows
+    (lambda t, i: cut_bce_with_logits(torch.zeros(3, 5, D), t, torch.full((3, 5, 1), 2**63 + 3, dtype=torch.uint64),
+                                      special_rows=SpecialRows.first(1)), TypeError, ["targets", "uint64", "int64"]),
+    (lambda t, i: without_special_rows(t, i.to(torch.uint32), SpecialRows.first(1)), TypeError, ["targets", "uint32"]),
+    # round 7: from_mask of a non-mask, and joining masks of two tables
+    (lambda t, i: SpecialRows.from_mask("ab"), TypeError, ["from_mask", "mask", "str"]),
+    (lambda t, i: SpecialRows.from_mask(None), TypeError, ["from_mask", "mask", "NoneType"]),
+    (lambda t, i: SpecialRows.from_mask(torch.ones(3, dtype=torch.bool)) + SpecialRows.from_mask(
+        torch.ones(4, dtype=torch.bool)), ValueError, ["SpecialRows", "[3, 4]"]),
 ])
 def test_bad_input_names_the_argument(call, error, words):
     (_, table, _), ids, _ = make_batch([0], torch.float32)
@@ -231,6 +279,65 @@ def test_bad_input_names_the_argument(call, error, words):
         call(table.detach(), ids)
     for word in words:
         assert word in str(raised.value), (word, str(raised.value))
+
+
+def test_both_ends_read_as_they_mean():
+    """Round 7: `first(1) | last(1)` was a TypeError; `+` and `|` are the union."""
+    both = SpecialRows.first(1) + SpecialRows.last(1)
+    assert both == SpecialRows.first(1) | SpecialRows.last(1) == SpecialRows([0, -1])
+    assert (SpecialRows.first(2) + SpecialRows([1, 5])).indices == (0, 1, 5)
+    mask = torch.zeros(ROWS, dtype=torch.bool)
+    mask[4] = True
+    joined = SpecialRows.from_mask(mask) + SpecialRows.last(1)
+    assert joined.resolve(ROWS).special == (4, ROWS - 1) and joined.table_rows == ROWS
+    assert SpecialRows.from_mask(mask.numpy()) == SpecialRows.from_mask(mask.tolist()) == SpecialRows.from_mask(mask)
+
+
+def poisoned(table, bias, special):
+    """The table and bias with their special rows holding what must never be read: inf, -inf, NaN."""
+    table, bias = table.detach().clone(), bias.detach().clone()
+    for k, r in enumerate(special):
+        table[r] = (float("inf"), float("-inf"), float("nan"))[k % 3]
+        table[r, 0] = float("nan") if k % 2 else table[r, 0]
+        bias[r] = float("inf")
+    return table.requires_grad_(), bias.requires_grad_()
+
+
+@pytest.mark.parametrize("backend", ["native", "dense"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_special_rows_holding_inf_and_nan_never_reach_the_loss(layout, reduction, backend):
+    """Round 7: a special row kept inside (class weight 0) holding inf or NaN, or with a +inf bias,
+    made the loss NaN (0 x inf). Whatever a special row holds, loss, metrics and gradients are those
+    of a finite one, and its gradients are exactly 0."""
+    special_rows, special = LAYOUTS[layout]
+    (hidden, table, bias), ids, real = make_batch(special, torch.float64, bias_rows=True)
+    upstream = torch.randn(3, 5, dtype=torch.float64) if reduction == "none" else torch.tensor(1.5, dtype=torch.float64)
+    results = []
+    for t, b in ((table, bias), poisoned(table, bias, special)):
+        loss, metrics = cut_bce_with_logits(hidden, t, ids, b, weight=real, reduction=reduction, backend=backend,
+                                            return_metrics=True, special_rows=special_rows)
+        results.append((loss, metrics, torch.autograd.grad(loss, (hidden, t, b), upstream)))
+    (want, want_metrics, want_grads), (got, got_metrics, got_grads) = results
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for g, w in zip((*got_metrics, *got_grads), (*want_metrics, *want_grads)):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert torch.count_nonzero(got_grads[1][special]) == 0 and torch.count_nonzero(got_grads[2][special]) == 0
+
+
+def test_metrics_with_a_special_row_inside_and_no_hidden_size():
+    """Round 7: return_metrics=True with a special row inside and D = 0 was a reshape error."""
+    bias = torch.randn(ROWS, dtype=torch.float64)
+    ids = torch.tensor([[3], [-1], [9]])
+    loss, metrics = cut_bce_with_logits(torch.zeros(3, 0, dtype=torch.float64), torch.zeros(ROWS, 0, dtype=torch.float64),
+                                        ids, bias, reduction="none", return_metrics=True, special_rows=SpecialRows([9]))
+    items = items_of([9])
+    y = (ids[..., None] == items).any(-2)
+    z = bias[items].expand(3, -1)
+    torch.testing.assert_close(loss, F.binary_cross_entropy_with_logits(z, y.double(), reduction="none").sum(-1))
+    assert metrics.tp.tolist() == ((z > 0) & y).sum(-1).float().tolist()
+    assert (metrics.fp + metrics.tn + metrics.tp + metrics.fn).tolist() == [ROWS - 1.0] * 3
 
 
 def test_no_framework_is_imported_by_torch_cutbce_or_its_integration():

@@ -14,7 +14,7 @@ from torch_cutbce.engines import BACKENDS  # noqa: F401  (re-exported by torch_c
 from torch_cutbce.metrics import CutBCEMetrics
 from torch_cutbce.reduction import reduce_rows
 from torch_cutbce.route import Route, VocabParallelOptions
-from torch_cutbce.special_rows import SpecialRows, catalog_of
+from torch_cutbce.special_rows import SpecialRows, catalog_of, runs_of_items
 
 
 def _padded_positions_dropped(hidden, targets, weight, num_items):
@@ -122,6 +122,15 @@ def cut_bce_with_logits(
         raise ValueError("special_rows= with vocab_parallel=: each rank's table is a slice of the items, so "
                          "leave the special rows out of the slices (torch_cutbce.without_special_rows on the "
                          "whole table gives the items) and drop special_rows=")
+    runs = runs_of_items(item_weight, targets, special_rows, bias, class_weight=class_weight, pos_weight=pos_weight)
+    if runs is not None:  # one call per run of items: no engine reads a special row (special_rows.py)
+        outs = [_loss(hidden, c.item_weight, c.targets, c.bias, weight, c.class_weight, c.pos_weight, reduction,
+                      return_metrics, block_v, backend, mesh, vocab_axis, data_axis, None, focal, label_smoothing,
+                      mean_items=c.num_items) for c in runs]
+        if not return_metrics:
+            return sum(outs[1:], outs[0])
+        return sum((o[0] for o in outs[1:]), outs[0][0]), CutBCEMetrics(
+            *(sum(parts[1:], parts[0]) for parts in zip(*(o[1] for o in outs))))
     catalog, excluded = catalog_of(item_weight, targets, special_rows, bias, class_weight=class_weight,
                                    pos_weight=pos_weight, metrics=return_metrics)
     out = _loss(hidden, catalog.item_weight, catalog.targets, catalog.bias, weight, catalog.class_weight,

@@ -9,11 +9,13 @@ and the selection uses masks and fixed shapes only, so it also runs on XLA.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from cutbce_common.shapes import tile_width
 from torch_cutbce.positives import accumulation_dtype
-from torch_cutbce.special_rows import SpecialRows
+from torch_cutbce.special_rows import Plan, SpecialRows, check_per_item
 
 
 def _exclude_in_tile(scores: torch.Tensor, exclude: torch.Tensor, start: int) -> torch.Tensor:
@@ -76,7 +78,8 @@ def full_catalog_topk(
       block_v: vocabulary tile width (default: a ~16 MiB float32 `[N, block_v]` tile); any value
         >= 1 works, it need not divide V. Tiles narrower than k are widened to k.
       exclude: `[*S, X]` integer item ids to leave out per position (the items a user has already
-        seen, say), padded with negative ids; ids >= V are ignored. Excluded items score -inf, so
+        seen, say), padded with negative ids; ids >= V are ignored. Or a bool mask, True = leave out:
+        `[*S, V]` / `[*S, R]` per position, `[V]` / `[R]` for every position (V items, R rows). Excluded items score -inf, so
         they come last and appear in the result only when fewer than k items remain.
       special_rows: a `SpecialRows` naming the rows of the table that are not items (PAD, MASK,
         ...), or None. They are never returned; ids (of the result and of `exclude`) are then rows of
@@ -88,29 +91,38 @@ def full_catalog_topk(
       inputs). Equal scores rank by ascending item id, so the result equals the first k columns of
       `torch.sort(scores, descending=True, stable=True)` on the materialized `[N, V]` scores.
     """
+    for name, x in (("hidden", hidden), ("item_weight", item_weight), ("bias", bias), ("exclude", exclude)):
+        if x is not None and not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__} (convert it with torch.as_tensor)")
     if hidden.dim() < 1 or item_weight.dim() != 2 or hidden.shape[-1] != item_weight.shape[1]:
         raise ValueError(
             f"hidden must be [*S, D] and item_weight [V, D] with the same D, got shapes "
             f"{tuple(hidden.shape)} and {tuple(item_weight.shape)}"
         )
     rows = item_weight.shape[0]
-    segments = _item_segments(special_rows, rows)  # [(first row, stop row, first item)]: runs of items
-    num_items = sum(stop - start for start, stop, _ in segments)
+    plan = _plan(special_rows, rows)
+    segments = _item_segments(plan)  # [(first row, stop row, first item)]: runs of items
+    num_items = plan.num_items
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral):
+        raise TypeError(f"k: expected an int in [1, V={num_items}], got {k!r} ({type(k).__name__})")
     if not 1 <= k <= num_items:
         raise ValueError(f"k must be in [1, V={num_items}], got {k=}")
     if block_v is not None and block_v < 1:
         raise ValueError(f"block_v must be >= 1, got {block_v=}")
-    if bias is not None and tuple(bias.shape) not in ((num_items,), (rows,)):
-        wanted = f"[V]=[{num_items}]" + ("" if rows == num_items else f" or [R]=[{rows}] (the table's rows)")
-        raise ValueError(f"bias must have shape {wanted}, got {tuple(bias.shape)}")
+    if bias is not None:
+        check_per_item("bias", bias, plan)
     per_row_bias = bias is not None and bias.shape[0] == rows
     lead = tuple(hidden.shape[:-1])
     h = hidden.reshape(-1, hidden.shape[-1])
-    if exclude is not None:
-        if exclude.is_floating_point() or tuple(exclude.shape[:-1]) != lead:
+    excluded_rows = None  # a bool mask [N or 1, R] over the table's rows
+    if exclude is not None and exclude.dtype == torch.bool:
+        excluded_rows = _mask_over_rows(exclude, lead, plan)
+        exclude = None
+    elif exclude is not None:
+        if exclude.is_floating_point() or exclude.is_complex() or tuple(exclude.shape[:-1]) != lead:
             raise ValueError(
-                f"exclude must be integer ids of shape [*S, X] with S={lead}, got "
-                f"{tuple(exclude.shape)} {exclude.dtype}"
+                f"exclude must be integer ids of shape [*S, X] with S={lead}, or a bool mask [*S, V] / [*S, R] "
+                f"/ [V] / [R], got {tuple(exclude.shape)} {exclude.dtype}"
             )
         exclude = exclude.reshape(h.shape[0], -1).long()
     acc = accumulation_dtype(hidden.dtype)
@@ -128,6 +140,8 @@ def full_catalog_topk(
                 scores = scores + bias[b0:b0 + stop - start].to(acc)
             if exclude is not None:
                 scores = _exclude_in_tile(scores, exclude, start)
+            if excluded_rows is not None:
+                scores = scores.masked_fill(excluded_rows[:, start:stop], float("-inf"))
             tile_k = min(k, stop - start)
             tile_scores, tile_cols = _tile_topk(scores, tile_k, check_ties)
             tile_ids = tile_cols + start
@@ -143,16 +157,38 @@ def full_catalog_topk(
     return best_scores.reshape(*lead, k), best_ids.reshape(*lead, k)
 
 
-def _item_segments(special_rows: SpecialRows | None, rows: int) -> list[tuple[int, int, int]]:
-    """The runs of item rows between the special rows: `(first row, stop row, index of its first item)`."""
+def _plan(special_rows: SpecialRows | None, rows: int) -> Plan:
     if special_rows is None:
-        return [(0, rows, 0)]
+        return Plan(rows, (), 0, 0)
     if not isinstance(special_rows, SpecialRows):
         raise TypeError(f"special_rows: expected a torch_cutbce.SpecialRows or None, got {type(special_rows).__name__}")
+    return special_rows.resolve(rows)
+
+
+def _item_segments(plan: Plan) -> list[tuple[int, int, int]]:
+    """The runs of item rows between the special rows: `(first row, stop row, index of its first item)`."""
     segments, start, items = [], 0, 0
-    for r in (*special_rows.resolve(rows).special, rows):
+    for r in (*plan.special, plan.rows):
         if r > start:
             segments.append((start, r, items))
             items += r - start
         start = r + 1
     return segments
+
+
+def _mask_over_rows(mask: torch.Tensor, lead: tuple[int, ...], plan: Plan) -> torch.Tensor:
+    """A bool `exclude` (True = leave out): `[*S, C]` per position or `[C]` for every position, C the
+    items V or the table's rows R, as `[N or 1, R]` over the rows (a `[V]` mask gets False at the
+    special rows, which are never returned anyway)."""
+    v, r = plan.num_items, plan.rows
+    per_position = mask.dim() == len(lead) + 1 and tuple(mask.shape[:-1]) == lead
+    if not (per_position or mask.dim() == 1) or mask.shape[-1] not in (v, r):
+        raise ValueError(f"exclude: a bool mask must be [*S, V] or [*S, R] (S={lead}, one row per position) or "
+                         f"[V] or [R] (every position), with V = {v} items and R = {r} table rows; got "
+                         f"{tuple(mask.shape)}")
+    mask = mask.reshape(-1, mask.shape[-1])
+    if mask.shape[-1] == r:
+        return mask
+    items = torch.ones(r, dtype=torch.bool, device=mask.device)
+    items[list(plan.special)] = False
+    return mask.new_zeros((mask.shape[0], r)).index_copy(1, items.nonzero().squeeze(1), mask)

@@ -240,7 +240,11 @@ def check_fits(parser: argparse.ArgumentParser, args) -> None:
     total = sum(needs.values())
     if memory is None or total <= memory:
         return
-    flag = max((name for name in needs if name.startswith("--")), key=needs.get)
+    # The flag furthest above its default: --hidden-size multiplies both terms, so the larger term
+    # alone would blame --num-items for a huge D.
+    sizes = ("--num-positions", "--num-items", "--hidden-size", "--num-targets")
+    ratio = {f: getattr(args, f[2:].replace("-", "_")) / parser.get_default(f[2:].replace("-", "_")) for f in sizes}
+    flag = max(sizes, key=ratio.get)
     value = getattr(args, flag[2:].replace("-", "_"))
     parser.error(f"argument {flag}: {value} is too large: one tuning run at --num-positions {args.num_positions}, "
                  f"--num-items {args.num_items}, --hidden-size {args.hidden_size}, --num-targets {args.num_targets} "

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 import typing as tp
 
 import numpy as np
@@ -78,6 +79,17 @@ class CutBCEModule(TransformerLightningModule):
 
     def __init__(self, *args: tp.Any, item_bias: bool = False, bias_init: float | None = None,
                  options: dict | None = None, **kwargs: tp.Any):
+        # RecTools' module takes **kwargs and drops them: a misspelt keyword (`itembias`) would train
+        # without a bias and say nothing.
+        known = set(inspect.signature(TransformerLightningModule.__init__).parameters) - {"self", "kwargs"}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"lightning_module_kwargs: unknown keywords {unknown}; CutBCEModule takes item_bias, "
+                            f"bias_init and options (RecTools passes its own: {sorted(known)})")
+        if bias_init is not None and (isinstance(bias_init, bool) or not isinstance(bias_init, numbers.Real)
+                                      or not math.isfinite(bias_init)):
+            raise TypeError(f"bias_init: expected a finite number (the bias's start) or None (log(1 / V)), "
+                            f"got {bias_init!r}")
         super().__init__(*args, **kwargs)
         if self.loss != LOSS_NAME:
             raise ValueError(f"loss: CutBCEModule computes loss={LOSS_NAME!r}; got loss={self.loss!r} "
