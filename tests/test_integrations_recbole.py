@@ -30,6 +30,11 @@ USERS, ITEMS = 30, 40
 FLOAT32_SLACK = 1e-5
 
 
+@pytest.fixture(autouse=True)
+def _in_tmp_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # RecBole's Trainer and logger write log/ and log_tensorboard/ in the working folder
+
+
 @pytest.fixture(scope="module")
 def data_path(tmp_path_factory):
     root = tmp_path_factory.mktemp("recbole")
