@@ -9,6 +9,7 @@
 #   ci/replay.sh      the RePlay integration against replay-rec 0.22 (torch 2.13 CPU, lightning; .venv-replay);
 #   ci/rectools.sh    the RecTools integration against rectools 0.19 and the core's torch-only tests on
 #                     numpy 1.26 (torch 2.13 CPU; .venv-rectools);
+#   ci/recbole.sh     the RecBole integration against recbole 1.2.1 (torch 2.13 CPU, numpy 1.26; .venv-recbole);
 #   ci/docs.sh        the API reference and the guides as a site, mkdocs build --strict (.venv-docs).
 # The full run starts with the linter (ruff, configured in pyproject.toml).
 # Then the Triton kernels in Triton's interpreter (TRITON_INTERPRET=1, a process of its own).
@@ -35,4 +36,5 @@ time bash ci/jax_newest.sh
 time bash ci/torch_tpu.sh
 time bash ci/replay.sh
 time bash ci/rectools.sh
+time bash ci/recbole.sh
 time bash ci/docs.sh
