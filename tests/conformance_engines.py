@@ -116,7 +116,7 @@ def oracle(engine, inputs, *, upstream, loss=PLAIN, **kwargs):
 
 
 def same_dtype_dense(engine, inputs, *, dtype, upstream, loss, **kwargs):
-    """The dense oracle run in `dtype` (bfloat16's yardstick: CCE's rule)."""
+    """The dense loss run in `dtype`: the 16-bit contract's yardstick (`parity.assert_16bit_contract`)."""
     import jax.numpy as jnp
     from jax_kernels.reference import dense_cut_bce
 
@@ -124,8 +124,15 @@ def same_dtype_dense(engine, inputs, *, dtype, upstream, loss, **kwargs):
                    **loss.arguments(), **kwargs)
 
 
-def inputs_for(seed, dtype="float32", options=OPTIONAL, **kwargs):
-    return select(make_inputs(LEAD, V, D, L, seed=seed, **kwargs), options, dtype)
+def inputs_for(seed, dtype="float32", options=OPTIONAL, *, trained=False, **kwargs):
+    """`parity.make_inputs` at the suite's shape, rounded to `dtype`. `trained`: logits about
+    N(-8, 3^2), as a trained recommender's are (its large-logit rows kept, shifted by -8): the last
+    hidden unit is 1 and every item's last entry -8, exact in every dtype."""
+    inputs = make_inputs(LEAD, V, D, L, seed=seed, **({"scale": 3.0} if trained else {}), **kwargs)
+    if trained:
+        inputs["hidden"][..., -1] = 1.0
+        inputs["item_weight"][:, -1] = -8.0
+    return select(inputs, options, dtype)
 
 
 def closed_form_at_zero_logits(loss: Loss, num_items: int, positives: np.ndarray) -> np.ndarray:

@@ -24,7 +24,7 @@ from conformance_engines import (
     same_dtype_dense,
 )
 from cutbce_common.focal import Focal
-from parity import assert_close, make_upstream, relative_error
+from parity import HALF_DTYPES, assert_16bit_contract, assert_close, make_upstream, relative_error
 
 
 class OracleChecks:
@@ -32,7 +32,7 @@ class OracleChecks:
     `row_losses` (the row-by-row checks); `conformance.EngineConformance` parametrizes them."""
 
     engine: str
-    dtypes: tuple[str, ...] = ("float32",)
+    dtypes: tuple[str, ...] = ("float32",)  # bfloat16 / float16 here: the 16-bit contract, trained-like logits too
     reductions: tuple[str, ...] = ("none", "mean", "sum")
     losses: tuple[str, ...] = tuple(LOSSES)
     row_losses: tuple[str, ...] = ("plain", "focal0.5-balanced", "smoothing0.1", "smoothing0.2-focal1.5-balanced")
@@ -52,6 +52,8 @@ class OracleChecks:
             metafunc.parametrize("loss_id", ids)
         if "dtype" in metafunc.fixturenames:
             metafunc.parametrize("dtype", self.dtypes)
+        if "half_dtype" in metafunc.fixturenames:
+            metafunc.parametrize("half_dtype", [d for d in self.dtypes if d in HALF_DTYPES])
         if "reduction" in metafunc.fixturenames:
             metafunc.parametrize("reduction", self.reductions)
         if "infinite_case" in metafunc.fixturenames:
@@ -59,21 +61,34 @@ class OracleChecks:
 
     def test_matches_the_float64_oracle(self, loss_id, dtype, reduction):
         """Loss, every gradient and the metrics within the dtype's tolerance of the oracle, for a
-        random non-uniform upstream. bfloat16 follows CCE's rule: no further from the truth than
-        the dense reference run in bfloat16, + 2e-3."""
+        random non-uniform upstream; bfloat16 / float16: the 16-bit contract (`check_16bit`)."""
+        if dtype in HALF_DTYPES:
+            self.check_16bit(loss_id, dtype, reduction, trained=False)
+            return
         loss = LOSSES[loss_id]
         seed = sorted(LOSSES).index(loss_id)
         inputs = inputs_for(seed, dtype)
         upstream = make_upstream(reduction, LEAD, seed=seed, dtype=dtype)
         common = dict(upstream=upstream, reduction=reduction, loss=loss)
-        truth = oracle(self.engine, inputs, **common)
+        assert_close(run(self.engine, inputs, dtype=dtype, **common), oracle(self.engine, inputs, **common),
+                     dtype=dtype, name=f"{self.engine} {dtype} {loss_id} {reduction}")
+
+    def test_16bit_contract_on_trained_like_logits(self, loss_id, half_dtype, reduction):
+        """The 16-bit contract where dense 16-bit BCE is weakest: logits about N(-8, 3^2)."""
+        self.check_16bit(loss_id, half_dtype, reduction, trained=True)
+
+    def check_16bit(self, loss_id, dtype, reduction, *, trained):
+        """The 16-bit contract (docs/precision.md; `parity.assert_16bit_contract`): every output no
+        further from the float64 truth than the dense loss run in `dtype` (the loss row by row), or
+        its dtype's floor; a random non-uniform upstream, every optional input."""
+        loss = LOSSES[loss_id]
+        seed = sorted(LOSSES).index(loss_id)
+        inputs = inputs_for(seed, dtype, trained=trained)
+        common = dict(upstream=make_upstream(reduction, LEAD, seed=seed, dtype=dtype), reduction=reduction, loss=loss)
         fast = run(self.engine, inputs, dtype=dtype, **common)
-        name = f"{self.engine} {dtype} {loss_id} {reduction}"
-        if dtype == "bfloat16":
-            assert_close(fast, same_dtype_dense(self.engine, inputs, dtype=dtype, **common), truth, dtype=dtype,
-                         name=name)
-        else:
-            assert_close(fast, truth, dtype=dtype, name=name)
+        dense = same_dtype_dense(self.engine, inputs, dtype=dtype, **common)
+        name = f"{self.engine} {dtype} {loss_id} {reduction}{' trained-like' if trained else ''}"
+        assert_16bit_contract(fast, dense, oracle(self.engine, inputs, **common), dtype=dtype, name=name)
 
     def test_confident_rows_row_by_row(self, row_case):
         """The rows that cancelled before issue 11 (`exact_rows_cases`: a positive at z = 5 .. 100

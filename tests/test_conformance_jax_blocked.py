@@ -10,7 +10,7 @@ from conformance_properties import PropertyRun
 class TestBlocked(EngineConformance):
     pytestmark = marks("jax-blocked")
     engine = "jax-blocked"
-    dtypes = ("float32", "float64")
+    dtypes = ("float32", "float64", "bfloat16", "float16")
     row_dtypes = ("float32", "float64")
     reductions = ("none", "mean")
     infinite_cases = ("positives",)  # a -inf logit at a negative: a taken-out positive (docs/precision.md)

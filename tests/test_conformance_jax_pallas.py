@@ -33,7 +33,7 @@ class TestPallas(EngineConformance):
 
 
 class TestPallasBfloat16(CheckFamilies, OracleChecks):
-    """bfloat16 against the dense reference run in bfloat16 (CCE's rule), one pass: the oracle family only."""
+    """The 16-bit contract (docs/precision.md) in bfloat16, one pass: the oracle family only."""
 
     pytestmark = marks("jax-pallas")
     engine = "jax-pallas"

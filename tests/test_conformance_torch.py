@@ -3,6 +3,9 @@ and dense (the torch_xla bridge's: test_conformance_xla.py)."""
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
+
 from conformance import CheckFamilies, EngineConformance, marks
 from conformance_bad_input import BadInputChecks
 from conformance_options import OptionChecks
@@ -13,7 +16,7 @@ class TestNative(EngineConformance):
     pytestmark = marks("torch-native")
     engine = "torch-native"
     infinite_cases = ("positives",)  # a -inf logit at a negative: a taken-out positive (docs/precision.md)
-    dtypes = ("float32", "float64")
+    dtypes = ("float32", "float64", "bfloat16", "float16")
     bad_input_entry_checks = ("test_torch_rejects_non_tensors", "test_block_v_takes_numpy_integers",
                               "test_unknown_backend", "test_torch_constant_weights_must_not_require_grad",
                               "test_torch_double_backward_of_rows_raises", "test_torch_xla_backend_needs_xla_tensors",
@@ -59,3 +62,22 @@ class TestModule(CheckFamilies, BadInputChecks, OptionChecks):
     # The native engine's numbers are TestNative's: one case each shows the module hands them on.
     option_gammas = ("largest",)
     option_keras_cases = ("smoothing0.2-focal1.5-balanced",)
+
+
+def test_the_16bit_contract_can_fail():
+    """The contract fails outputs a careless 16-bit engine returns, on trained-like logits: the loss
+    one bfloat16 ulp (2^-7) off, or d_hidden truncated to bfloat16 from its exact float32 value
+    (triton 3.5's interpreter truncated; a GPU rounds to nearest). The native engine's own results pass."""
+    from conformance_engines import LEAD, LOSSES, inputs_for, oracle, run, same_dtype_dense
+    from parity import assert_16bit_contract, make_upstream
+
+    inputs = inputs_for(1, "bfloat16", trained=True)
+    common = dict(upstream=make_upstream("none", LEAD, seed=1, dtype="bfloat16"), reduction="none", loss=LOSSES["plain"])
+    fast = run("torch-native", inputs, dtype="bfloat16", **common)
+    dense = same_dtype_dense("torch-native", inputs, dtype="bfloat16", **common)
+    truth = oracle("torch-native", inputs, **common)
+    assert_16bit_contract(fast, dense, truth, dtype="bfloat16", name="native")
+    truncated = (truth["d_hidden"].astype(np.float32).view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+    for key, wrong in (("loss", truth["loss"] * (1 + 2.0**-7)), ("d_hidden", truncated.astype(np.float64))):
+        with pytest.raises(AssertionError, match=key):
+            assert_16bit_contract({**fast, key: wrong}, dense, truth, dtype="bfloat16", name="native")

@@ -43,12 +43,12 @@ class TestTriton(EngineConformance):
 
 
 class TestTritonHalf(CheckFamilies, OracleChecks):
-    """bfloat16 against the dense reference run in bfloat16 (CCE's rule): the oracle family. float16:
-    the property run's examples above, against the float64 oracle."""
+    """The 16-bit contract (docs/precision.md), bfloat16 and float16, ordinary and trained-like logits:
+    the oracle family."""
 
     pytestmark = marks("torch-triton")
     engine = "torch-triton"
-    dtypes = ("bfloat16",)
+    dtypes = ("bfloat16", "float16")
     reductions = ("none", "sum")
     row_losses = ()
 

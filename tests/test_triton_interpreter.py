@@ -222,3 +222,25 @@ def test_vocab_parallel_takes_this_ranks_slice(one_rank_group, reduction):
     want = dense_bce_with_logits(hidden.double(), items[start:].double(), local, bias[start:].double(),
                                  reduction=reduction)
     _assert_relative(got, want, TOLERANCES["float32"], f"vocab_parallel {reduction}")  # 'sum': the one-pass path
+
+
+def test_the_interpreter_rounds_float32_to_bfloat16_to_nearest_even():
+    """`interpreter.make_compatible`'s cast: what a GPU's cvt.rn.bf16.f32 gives (triton 3.5's
+    interpreter truncated 1.005859375 to 1.0), ties to even, carries, infinities, NaN."""
+    import triton
+    import triton.language as tl
+
+    from torch_cutbce.triton import interpreter
+
+    interpreter.make_compatible()
+
+    @triton.jit
+    def cast(x_ptr, y_ptr, SIZE: tl.constexpr):
+        offsets = tl.arange(0, SIZE)
+        tl.store(y_ptr + offsets, tl.load(x_ptr + offsets).to(tl.bfloat16))
+
+    x = torch.tensor([1.005859375, -1.005859375, 1.0 + 2**-8, 1.0 + 3 * 2**-8, 2 - 2**-9, 3.4e38, -math.inf,
+                      math.nan, 1e-40, 0.0, 1.0, 1.0 + 2**-9] + [0.0] * 4)
+    y = torch.empty(16, dtype=torch.bfloat16)
+    cast[(1,)](x, y, SIZE=16)
+    torch.testing.assert_close(y, x.to(torch.bfloat16), rtol=0, atol=0, equal_nan=True)
