@@ -30,7 +30,8 @@ fi
 # The Triton kernels in Triton's interpreter (CPU tensors): a process of its own, since the
 # interpreter is chosen when triton is first imported (in the run above these files skip).
 TRITON_INTERPRET=1 "${pytest[@]}" -n "${CUTBCE_TEST_WORKERS:-auto}" --dist loadfile \
-  tests/test_conformance_triton.py tests/test_triton_interpreter.py
+  tests/test_conformance_triton.py tests/test_triton_interpreter.py \
+  tests/test_conformance_chunked.py tests/test_chunked.py
 time bash ci/core_only.sh
 time bash ci/jax_newest.sh
 time bash ci/torch_tpu.sh

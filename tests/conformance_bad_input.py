@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from _bad_input_entries import T, Zeros, call, f32, good_arguments, is_torch, run
+from conformance_engines import ENGINES
 from parity import assert_close, enable_x64, needs_torch
 
 FLOATS = r"float16 / bfloat16 / float32 / float64"
@@ -92,7 +93,7 @@ ENTRY_CHECKS = (
     "test_torch_constant_weights_must_not_require_grad", "test_torch_double_backward_of_rows_raises",
     "test_torch_xla_backend_needs_xla_tensors", "test_module_checks_its_options_when_built",
     "test_jax_accepts_array_likes", "test_jax_traced_int64_ids_compare_in_int64",
-    "test_jax_ids_at_or_above_V_under_jit_are_padding", "test_pallas_refuses_float64", "test_triton_refuses_float64",
+    "test_jax_ids_at_or_above_V_under_jit_are_padding", "test_pallas_refuses_float64", "test_kernel_engine_refuses_float64",
     "test_torch_special_rows_are_never_read",
 )
 
@@ -356,9 +357,11 @@ class BadInputChecks:
                 TypeError, match=r"impl='pallas' supports float32 and bfloat16 inputs, got float64"):
             call(self.engine, arguments)
 
-    def test_triton_refuses_float64(self):
+    def test_kernel_engine_refuses_float64(self):
+        """An engine whose kernels compute in float32 (Triton's, the chunked one's) names itself."""
+        backend = ENGINES[self.engine][2]["backend"]
         arguments = {k: v.astype(np.float64) if v.dtype == np.float32 else v for k, v in good_arguments().items()}
-        with pytest.raises(ValueError, match=r"backend='triton' computes in float32, bfloat16, float16, got "
+        with pytest.raises(ValueError, match=rf"backend='{backend}' computes in float32, bfloat16, float16, got "
                                              r"hidden.dtype=torch.float64; backend='native' takes any float dtype"):
             call(self.engine, arguments)
 

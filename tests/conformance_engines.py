@@ -28,6 +28,9 @@ ENGINES = {
     # The Triton kernels in Triton's interpreter (CPU tensors; TRITON_INTERPRET=1 in a process of its
     # own: test_conformance_triton.py). Their tiles are the kernels' own: block_v is not theirs.
     "torch-triton": ("torch", pytest.mark.rung2, dict(backend="triton")),
+    # The chunked engine (library matmuls around one Triton elementwise kernel, in the interpreter on
+    # CPU tensors: test_conformance_chunked.py); block_v 64: four chunks of V = 203, the last ragged.
+    "torch-chunked": ("torch", pytest.mark.rung2, dict(backend="chunked", block_v=BLOCK_V)),
     "xla-blocked": ("xla", pytest.mark.rung3, dict(backend="xla_blocked", block_v=BLOCK_V)),
     "xla-pallas": ("xla", pytest.mark.rung3, dict(backend="xla_pallas", block_v=BLOCK_V)),
     "jax-blocked": ("jax", pytest.mark.rung1, dict(impl="blocked", block_v=BLOCK_V)),

@@ -26,7 +26,7 @@ class TestTriton(EngineConformance):
     engine = "torch-triton"
     bad_input_entry_checks = ("test_torch_rejects_non_tensors", "test_unknown_backend",
                               "test_torch_constant_weights_must_not_require_grad",
-                              "test_torch_double_backward_of_rows_raises", "test_triton_refuses_float64",
+                              "test_torch_double_backward_of_rows_raises", "test_kernel_engine_refuses_float64",
                               "test_torch_special_rows_are_never_read")
     option_dtype = "float32"  # float64 is refused (above)
 

@@ -195,8 +195,8 @@ LAYERS = (
     ("torch_cutbce.functional", "torch_cutbce.module", "torch_cutbce.topk"),  # the entries
     ("torch_cutbce.special_rows",),  # what the entries take
     ("torch_cutbce.engines",),  # the registry
-    ("torch_cutbce.native", "torch_cutbce.triton", "torch_cutbce.jax_bridge", "torch_cutbce.reference",
-     "torch_cutbce.vocab_parallel", "torch_cutbce.distributed"),  # engines, the oracle, layouts
+    ("torch_cutbce.native", "torch_cutbce.triton", "torch_cutbce.chunked", "torch_cutbce.jax_bridge",
+     "torch_cutbce.reference", "torch_cutbce.vocab_parallel", "torch_cutbce.distributed"),  # engines, the oracle, layouts
     ("torch_cutbce.arguments", "torch_cutbce.route", "torch_cutbce.positives", "torch_cutbce.branch_math",
      "torch_cutbce.reduction", "torch_cutbce.metrics", "torch_cutbce.targets",
      "torch_cutbce.chunked_ops"),  # what they share

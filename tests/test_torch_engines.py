@@ -33,7 +33,7 @@ def _on(device_type: str, dtype=torch.float32):
 
 def test_the_backends_are_auto_and_the_registry_in_its_order():
     assert torch_cutbce.BACKENDS == ("auto", *engines.ENGINES)
-    assert torch_cutbce.BACKENDS == ("auto", "native", "dense", "triton", "xla", "xla_blocked", "xla_pallas",
+    assert torch_cutbce.BACKENDS == ("auto", "native", "dense", "triton", "chunked", "xla", "xla_blocked", "xla_pallas",
                                      "torch_tpu")
 
 
@@ -74,7 +74,7 @@ def test_the_parallel_option_checks_read_the_fields(monkeypatch):
     engines.check_parallel_options("dense", None, vocab_parallel)
     engines.check_parallel_options("dense", mesh, None)
     with pytest.raises(ValueError, match=r"vocab_parallel= needs an engine that takes a slice of the table "
-                                         r"\(backend='auto' or 'dense' / 'triton'\), got backend='native'"):
+                                         r"\(backend='auto' or 'dense' / 'triton' / 'chunked'\), got backend='native'"):
         engines.check_parallel_options("native", None, vocab_parallel)
     with pytest.raises(ValueError, match=r"mesh= runs under torch_xla SPMD and needs XLA tensors, got backend='native'"):
         engines.check_parallel_options("native", mesh, None)

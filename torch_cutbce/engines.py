@@ -17,6 +17,9 @@ registry's names.
                     Triton's interpreter; 'auto' on CUDA for bfloat16 / float16 when triton imports
                     (float32 runs native: the cost model, triton/cost_model.py, predicts it faster;
                     not measured); takes vocab_parallel=
+    chunked         library matmuls (cuBLAS) around one fused Triton elementwise kernel per chunk of
+                    items (chunked/, imported on first use): CUDA, or CPU tensors in Triton's
+                    interpreter; takes vocab_parallel=
     xla, xla_blocked, xla_pallas
                     the torch_xla bridge (jax_bridge/xla.py, imported on first use): the JAX engine
                     `impl` ('auto': Pallas on a TPU), on one device or under an SPMD mesh; 'xla' is
@@ -183,6 +186,21 @@ def _triton_weighted_sum(flat, weight, divisor, route):
     return _triton_ops().loss(*flat, weight, divisor, route.options)
 
 
+def _chunked_ops():
+    """`torch_cutbce.chunked.ops`, imported on first use: it imports triton."""
+    from torch_cutbce.chunked import ops as chunked_ops
+
+    return chunked_ops
+
+
+def _chunked_rows(flat, route):
+    return _chunked_ops().rows(*flat, route.options)
+
+
+def _chunked_weighted_sum(flat, weight, divisor, route):
+    return _chunked_ops().loss(*flat, weight, divisor, route.options)
+
+
 @torch.compiler.assume_constant_result  # a constant of the process: dynamo need not trace importlib
 def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
@@ -202,6 +220,11 @@ ENGINES = {
                      drops_padded_positions=True, auto_on=("cuda",), available=_triton_installed,
                      dtypes=(torch.float32, torch.bfloat16, torch.float16),
                      auto_dtypes=(torch.bfloat16, torch.float16)),
+    # Library matmuls around one Triton elementwise kernel per chunk of items (torch_cutbce/chunked/);
+    # CPU tensors run the kernel in Triton's interpreter, as the Triton engine's.
+    "chunked": Engine("chunked", _chunked_rows, _chunked_weighted_sum, takes_vocab_parallel=True,
+                      drops_padded_positions=True, available=_triton_installed,
+                      dtypes=(torch.float32, torch.bfloat16, torch.float16)),
     **{name: _bridge_engine(name, "xla", impl, on_xla=True, takes_mesh=True, auto_on=auto_on)
        for name, impl, auto_on in (("xla", "auto", ("xla",)), ("xla_blocked", "blocked", ()),
                                    ("xla_pallas", "pallas", ()))},
