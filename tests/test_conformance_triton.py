@@ -56,9 +56,10 @@ class TestTritonHalf(CheckFamilies, OracleChecks):
 
 @triton.jit
 def _labels_dropped(z, y, numbers_ptr, FOCAL: tl.constexpr, POWER: tl.constexpr, FRACTION: tl.constexpr,
-                    SMOOTHING: tl.constexpr, BALANCED: tl.constexpr):
+                    SMOOTHING: tl.constexpr, BALANCED: tl.constexpr, FAST: tl.constexpr):
     """`tile_math.labelled_terms` with every label false: a kernel that forgot its positives."""
-    return tile_math.labelled_terms(z, y & (z != z), numbers_ptr, FOCAL, POWER, FRACTION, SMOOTHING, BALANCED)
+    return tile_math.labelled_terms(z, y & (z != z), numbers_ptr, FOCAL, POWER, FRACTION, SMOOTHING, BALANCED,
+                                    FAST)
 
 
 def test_a_wrong_kernel_fails_the_suite(monkeypatch):

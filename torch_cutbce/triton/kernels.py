@@ -110,7 +110,8 @@ def _weights(cw_ptr, pw_ptr, y, cols, col_mask, HAS_CW: tl.constexpr, HAS_PW: tl
 def _tile(z, bias_ptr, cw_ptr, pw_ptr, ids_ptr, row_start, col_start, N, V, L, numbers_ptr,
           HAS_BIAS: tl.constexpr, HAS_CW: tl.constexpr, HAS_PW: tl.constexpr,
           FOCAL: tl.constexpr, POWER: tl.constexpr, FRACTION: tl.constexpr, SMOOTHING: tl.constexpr,
-          BALANCED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, ITEM_MAJOR: tl.constexpr):
+          BALANCED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, ITEM_MAJOR: tl.constexpr,
+          FAST: tl.constexpr):
     """The tile of products `z` (`[BLOCK_N, BLOCK_V]`, or `[BLOCK_V, BLOCK_N]` when `ITEM_MAJOR`): its
     logits (bias added), labels, what counts (`valid`), and each element's weighted loss and slope (0
     outside `valid`)."""
@@ -120,7 +121,7 @@ def _tile(z, bias_ptr, cw_ptr, pw_ptr, ids_ptr, row_start, col_start, N, V, L, n
     if HAS_BIAS:
         z += _per_item(tl.load(bias_ptr + cols, mask=col_mask, other=0.0), ITEM_MAJOR)
     y = _labels(ids_ptr, rows, cols, row_mask, L, BLOCK_N, BLOCK_V, ITEM_MAJOR)
-    value, slope = labelled_terms(z, y, numbers_ptr, FOCAL, POWER, FRACTION, SMOOTHING, BALANCED)
+    value, slope = labelled_terms(z, y, numbers_ptr, FOCAL, POWER, FRACTION, SMOOTHING, BALANCED, FAST)
     weight = _weights(cw_ptr, pw_ptr, y, cols, col_mask, HAS_CW, HAS_PW, ITEM_MAJOR)
     valid = _per_row(row_mask, ITEM_MAJOR) & _per_item(col_mask, ITEM_MAJOR)
     return z, y, valid, tl.where(valid, value * weight, 0.0), tl.where(valid, slope * weight, 0.0)
@@ -155,7 +156,7 @@ def row_kernel(h_ptr, w_ptr, bias_ptr, cw_ptr, pw_ptr, ids_ptr, g_ptr, rows_ptr,
             z = _logits(h_ptr, w_ptr, row_start, start, N, V, D, BLOCK_N, BLOCK_V, BLOCK_K, PRECISION)
             z, y, valid, value, slope = _tile(
                 z, bias_ptr, cw_ptr, pw_ptr, ids_ptr, row_start, start, N, V, L, numbers_ptr, HAS_BIAS, HAS_CW,
-                HAS_PW, FOCAL, POWER, FRACTION, SMOOTHING, BALANCED, BLOCK_N, BLOCK_V, False)
+                HAS_PW, FOCAL, POWER, FRACTION, SMOOTHING, BALANCED, BLOCK_N, BLOCK_V, False, PRECISION != "ieee")
             if WITH_ROWS:
                 chunk_loss += tl.sum(value, axis=1)
             if WITH_COUNTS:
@@ -206,7 +207,7 @@ def item_kernel(h_ptr, w_ptr, bias_ptr, cw_ptr, pw_ptr, ids_ptr, g_ptr, dw_ptr, 
             z = _logits(w_ptr, h_ptr, col_start, start, V, N, D, BLOCK_V, BLOCK_N, BLOCK_K, PRECISION)
             z, y, valid, value, slope = _tile(
                 z, bias_ptr, cw_ptr, pw_ptr, ids_ptr, start, col_start, N, V, L, numbers_ptr, HAS_BIAS, HAS_CW,
-                HAS_PW, FOCAL, POWER, FRACTION, SMOOTHING, BALANCED, BLOCK_N, BLOCK_V, True)
+                HAS_PW, FOCAL, POWER, FRACTION, SMOOTHING, BALANCED, BLOCK_N, BLOCK_V, True, PRECISION != "ieee")
             dz = slope * tl.load(g_ptr + rows, mask=row_mask, other=0.0)[None, :]
             if WITH_ITEMS:
                 h = _block(h_ptr, N, D, start, column, BLOCK_N, BLOCK_D)

@@ -5,12 +5,17 @@ registers: `u` is the logit seen from its label (`z` at a negative, `-z` at a po
 which), `e = exp(-|z|)` in (0, 1] serves softplus, sigmoid and the focal factor, and no term is
 formed as a difference of large ones, so each element is exact to rounding for any z.
 
-Only what both Triton's interpreter and its CUDA backend run exactly as written: `x / y` lowers to
+For float32, only what both Triton's interpreter and its CUDA backend run exactly as written: `x / y` lowers to
 PTX's approximate `div.full.f32` and `tl.exp` to `ex2.approx` of `x log2(e)` (whose rounding costs
 |x| 6e-8 relative, 5e-6 at x = -80), so divisions are `tl.div_rn` and `exp(-|z|)` is reduced to
 [-ln2 / 2, ln2 / 2] first (Cody-Waite, as libdevice's expf; libdevice itself has no interpreter
 twin); every exponent here is <= 0, so `exp_neg_abs` serves them all. `log1p` is the degree-4
 polynomial of the other engines (4e-9 relative).
+
+`FAST` (16-bit inputs, held to docs/precision.md's 16-bit contract, not the float32 rule): `exp(-|z|)`
+is `tl.exp2(-|z| log2 e)` (one multiply and PTX's `ex2.approx.ftz`), and every division is `x / y`
+(`div.full.f32`, approximate to 2 ulp, no IEEE slow path). Each is itself the approximation, so the
+interpreter runs the same formulas (exactly rounded where the GPU's are within ulps).
 """
 
 from __future__ import annotations
@@ -50,10 +55,26 @@ def exp_neg_abs(z):
 
 
 @triton.jit
-def log1p_unit(e):
+def exp_neg(x, FAST: tl.constexpr):
+    """`exp(x)` for x <= 0 (NaN stays NaN): `exp_neg_abs`, or with `FAST` `ex2.approx` of `x log2 e`."""
+    if FAST:
+        return tl.exp2(x * 1.4426950408889634)
+    return exp_neg_abs(x)
+
+
+@triton.jit
+def divide(x, y, FAST: tl.constexpr):
+    """`x / y`: correctly rounded (`tl.div_rn`), or with `FAST` PTX's approximate `div.full.f32`."""
+    if FAST:
+        return x / y
+    return tl.div_rn(x, y)
+
+
+@triton.jit
+def log1p_unit(e, FAST: tl.constexpr):
     """`log1p(e)` for e in [0, 1]: `2 atanh(t) = 2 t P(t^2)`, `t = e / (2 + e)` (the other engines'
     fit: `torch_cutbce/branch_math.log1p_from_t`)."""
-    t = tl.div_rn(e, 2.0 + e)
+    t = divide(e, 2.0 + e, FAST)
     s = t * t
     p = 0.33333160203203005 + s * (0.20012325666897016 + s * (0.13982172352698377 + s * 0.1408072687843689))
     return 2.0 * t * (1.0000000038619887 + s * p)
@@ -70,8 +91,9 @@ def integer_power(x, POWER: tl.constexpr):
 
 @triton.jit
 def labelled_terms(z, y, numbers_ptr, FOCAL: tl.constexpr, POWER: tl.constexpr, FRACTION: tl.constexpr,
-                   SMOOTHING: tl.constexpr, BALANCED: tl.constexpr):
-    """`(loss, d loss / dz)` of each logit `z` whose label is `y` (bool), before the weights.
+                   SMOOTHING: tl.constexpr, BALANCED: tl.constexpr, FAST: tl.constexpr):
+    """`(loss, d loss / dz)` of each logit `z` whose label is `y` (bool), before the weights; `FAST`:
+    the module docstring's approximations (16-bit inputs).
 
     The `Loss` arrives as its `form()` (the constexprs: `loss_constexprs`) and its numbers
     (`numbers_ptr`: `loss_numbers`, read where the form uses them; loop-invariant loads). With `u = -z if y else z` and `B(u) = (1 - c) max(u, 0) +
@@ -82,10 +104,10 @@ def labelled_terms(z, y, numbers_ptr, FOCAL: tl.constexpr, POWER: tl.constexpr, 
     fraction = tl.load(numbers_ptr + 1)
     c = tl.load(numbers_ptr + 2)
     u = tl.where(y, -z, z)
-    e = exp_neg_abs(z)
-    tail = log1p_unit(e)
+    e = exp_neg(-tl.abs(z), FAST)
+    tail = log1p_unit(e, FAST)
     one_plus_e = 1.0 + e
-    sigmoid_u = tl.div_rn(tl.where(u >= 0, 1.0, e), one_plus_e)
+    sigmoid_u = divide(tl.where(u >= 0, 1.0, e), one_plus_e, FAST)
     if SMOOTHING:
         plus = (1.0 - c) * tl.maximum(u, 0.0) - c * tl.minimum(u, 0.0) + tail
         slope = sigmoid_u - c
@@ -93,16 +115,16 @@ def labelled_terms(z, y, numbers_ptr, FOCAL: tl.constexpr, POWER: tl.constexpr, 
         plus = tl.maximum(u, 0.0) + tail
         slope = sigmoid_u
     if FOCAL:
-        sigmoid_flip = tl.div_rn(tl.where(u >= 0, e, 1.0), one_plus_e)
+        sigmoid_flip = divide(tl.where(u >= 0, e, 1.0), one_plus_e, FAST)
         if SMOOTHING:
             q = c + (1.0 - 2.0 * c) * sigmoid_u
-            factor = exp_neg_abs(gamma * tl.log(q))  # q in (0, 1]: the exponent is <= 0
-            bend = tl.div_rn((1.0 - 2.0 * c) * sigmoid_u * sigmoid_flip, q)
+            factor = exp_neg(gamma * tl.log(q), FAST)  # q in (0, 1]: the exponent is <= 0
+            bend = divide((1.0 - 2.0 * c) * sigmoid_u * sigmoid_flip, q, FAST)
         else:
             exponent = -gamma * tail
             if FRACTION:
                 exponent += tl.minimum(u, 0.0) * fraction  # - f max(-u, 0), exactly
-            factor = exp_neg_abs(exponent)  # exponent <= 0
+            factor = exp_neg(exponent, FAST)  # exponent <= 0
             if POWER > 0:
                 factor = factor * integer_power(tl.where(u < 0, e, 1.0), POWER)
             bend = sigmoid_flip
