@@ -42,7 +42,7 @@ DTYPES = (torch.bfloat16, torch.float32)
 STEP_PASSES = ("rows_grad", "items")  # 'mean' with gradients: the one-pass row kernel, then the item kernel
 # SASS instructions per logit of each step pass, plain loss, one label slot: counted in the sm_90
 # bfloat16 compile by `aot.instructions_per_logit` (tests/test_triton_compile.py holds these within
-# 10% of it; `--model` uses the count it makes). The same float32 code serves every input dtype.
+# 10% of it; `--model` uses the count it makes). 16-bit inputs run the fast math (tile_math.FAST).
 INSTRUCTIONS_PER_LOGIT = {"rows_grad": 28, "items": 68}
 
 
