@@ -53,8 +53,9 @@ def chunk_kernel(z_ptr, dz_ptr, bias_ptr, cw_ptr, g_ptr, rows_ptr, fp_ptr, numbe
         if HAS_BIAS:
             z += tl.load(bias_ptr + columns, mask=column_ok, other=0.0)[None, :]
         negative = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.int1)
+        # FAST False: the exact float32 math (the logits are float32 here, whatever the inputs' dtype).
         term, slope = tile_math.labelled_terms(z, negative, numbers_ptr, FOCAL, POWER, FRACTION, SMOOTHING,
-                                               BALANCED)
+                                               BALANCED, False)
         if HAS_CW:
             cw = tl.load(cw_ptr + columns, mask=column_ok, other=0.0)[None, :]
             term = term * cw
